@@ -1,0 +1,2 @@
+"""ferrox: LLM serving on Ray Serve."""
+__version__ = "0.1.0"

@@ -1,0 +1,270 @@
+"""The scheduler a replica's engine drives: planner + memory bookkeeping + token ids.
+
+Decided here: the one sequence of calls that turns a plan into page tables,
+shared by the engine (``ferrox.replicas.engine``) and the trace simulator
+(``simulator.py``), so the simulator exercises exactly the code that serves:
+
+1. measure :class:`Capacity` from the :class:`KVManager`;
+2. ask the :class:`StepPlanner` for a step;
+3. for a prefill step, lock every new prompt's prefix first, then allocate
+   every chunk's pages; for a decode step, allocate one more position each;
+4. hand the engine :class:`ScheduledStep` -- per sequence its query tokens,
+   positions already computed, page table and whether it samples;
+5. after the forward pass, :meth:`Scheduler.commit` appends the sampled
+   tokens and releases the requests that ended (budget, EOS or stop string),
+   their full pages going to the prefix cache.
+
+Deliberately not done: prefix caching for models with window or recurrent
+pools. A cached prefix would also need the window layers' last pages and a
+recurrent-state snapshot at the page boundary; until the engine keeps those
+(the window/recurrent model families' work), such models run uncached, and
+the scheduler says so by turning the cache off rather than serving wrong
+state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+from .admission import Geometry, NotAdmitted
+from .kv import KVManager
+from .planner import DecodeStep, IdleStep, PrefillStep, RequestRefused, StepPlanner
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Sizes of one replica's scheduler (tokens unless stated)."""
+
+    page_size: int
+    num_pages: int
+    max_slots: int
+    max_prefill_tokens: int
+    max_model_len: int
+    sliding_window: int | None = None
+    num_swa_pages: int = 0
+    recurrent: bool = False
+    num_recurrent_slots: int = 0
+    enable_prefix_caching: bool = True
+    max_waiting: int | None = None
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.page_size, self.sliding_window if self.num_swa_pages else None, self.recurrent)
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    """One sequence of a step.
+
+    ``query_tokens`` are computed this step at positions
+    ``computed_len .. computed_len + len(query_tokens) - 1``; ``pages`` is
+    its full page table (covering every position through the last query
+    token); ``samples``: whether its last position's logits are sampled.
+    """
+
+    uid: int
+    slot: int
+    computed_len: int
+    query_tokens: tuple[int, ...]
+    pages: tuple[int, ...]
+    samples: bool
+    swa_pages: tuple[int, ...] = ()
+    swa_start: int = 0
+    recurrent_slots: tuple[int, ...] = ()
+    #: Set on a prompt's first chunk: (prompt tokens, cached tokens).
+    admission: tuple[int, int] | None = None
+
+    @property
+    def seq_len(self) -> int:
+        return self.computed_len + len(self.query_tokens)
+
+
+@dataclass(frozen=True)
+class ScheduledStep:
+    kind: str  # "prefill" | "decode"
+    seqs: tuple[ScheduledSeq, ...]
+    blocked: NotAdmitted | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.query_tokens) for s in self.seqs)
+
+
+@dataclass
+class _Req:
+    uid: int
+    tokens: list[int]
+    prompt_len: int
+    max_tokens: int
+    outputs: int = 0
+    cached_len: int = 0
+    prefilled: bool = False
+    slot: int = -1
+
+
+class Scheduler:
+    """Planner and memory of one replica, over token ids.
+
+    Raises :class:`RequestRefused` from :meth:`add_request` for a request that
+    can never run here.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        windowed = config.sliding_window is not None and config.num_swa_pages > 0
+        caching = config.enable_prefix_caching and not windowed and not config.recurrent
+        self.kv = KVManager(
+            config.page_size,
+            config.num_pages,
+            num_swa_pages=config.num_swa_pages if windowed else 0,
+            sliding_window=config.sliding_window if windowed else None,
+            num_recurrent_slots=config.num_recurrent_slots if config.recurrent else 0,
+            enable_prefix_caching=caching,
+        )
+        self.planner = StepPlanner(
+            config.geometry,
+            max_slots=config.max_slots,
+            max_prefill_tokens=config.max_prefill_tokens,
+            max_model_len=config.max_model_len,
+            kv_pool_tokens=config.num_pages * config.page_size,
+            swa_pool_tokens=(config.num_swa_pages * config.page_size) if windowed else 0,
+            recurrent_pool_slots=config.num_recurrent_slots,
+            max_waiting=config.max_waiting,
+        )
+        self._reqs: dict[int, _Req] = {}
+        self.last_blocked: NotAdmitted | None = None
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, uid: int, prompt: Sequence[int], max_tokens: int) -> None:
+        self.planner.add_request(uid, len(prompt), max_tokens)
+        self._reqs[uid] = _Req(uid, list(prompt), len(prompt), max_tokens)
+
+    def abort(self, uid: int) -> bool:
+        """Drop ``uid`` at any stage; every slot, page and lock comes back."""
+        known = self.planner.abort(uid)
+        self.kv.release(uid, None)
+        return self._reqs.pop(uid, None) is not None or known
+
+    def has_request(self, uid: int) -> bool:
+        return uid in self._reqs
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._reqs)
+
+    def tokens(self, uid: int) -> list[int]:
+        return self._reqs[uid].tokens
+
+    # ---------------------------------------------------------------- step
+    def schedule(self) -> ScheduledStep | None:
+        """Plan the next step and allocate its pages; ``None`` when idle."""
+        cap = self.kv.capacity(self.planner.slots.available)
+        step = self.planner.plan(
+            cap,
+            match=lambda uid: self.kv.match(self._prompt(uid)),
+            window_held=self.kv.window_held,
+        )
+        self.last_blocked = step.blocked
+        if isinstance(step, IdleStep):
+            return None
+        seqs: list[ScheduledSeq] = []
+        if isinstance(step, PrefillStep):
+            # Phase one: lock every new prompt's prefix before any allocation
+            # can evict it.
+            for chunk in step.chunks:
+                if chunk.admission is not None:
+                    req = self._reqs[chunk.uid]
+                    req.cached_len = self.kv.admit(
+                        chunk.uid, self._prompt(chunk.uid), chunk.admission.cached_tokens
+                    )
+            for chunk in step.chunks:
+                end = chunk.computed_len + chunk.chunk_len
+                self.kv.allocate(chunk.uid, end)
+                req = self._reqs[chunk.uid]
+                req.slot = chunk.slot
+                seqs.append(
+                    self._seq(
+                        req,
+                        chunk.slot,
+                        chunk.computed_len,
+                        req.tokens[chunk.computed_len : end],
+                        samples=not chunk.chunked,
+                        admission=(chunk.admission.prompt_tokens, chunk.admission.cached_tokens)
+                        if chunk.admission
+                        else None,
+                    )
+                )
+                if not chunk.chunked:
+                    req.prefilled = True
+            return ScheduledStep("prefill", tuple(seqs), step.blocked)
+        assert isinstance(step, DecodeStep)
+        for d in step.batch:
+            req = self._reqs[d.uid]
+            pos = len(req.tokens) - 1
+            self.kv.allocate(d.uid, pos + 1)
+            seqs.append(self._seq(req, req.slot, pos, req.tokens[pos:], samples=True))
+        return ScheduledStep("decode", tuple(seqs), step.blocked)
+
+    def _seq(self, req: _Req, slot: int, computed: int, query, samples: bool, admission=None) -> ScheduledSeq:
+        mem = self.kv.request(req.uid)
+        assert mem is not None
+        return ScheduledSeq(
+            uid=req.uid,
+            slot=slot,
+            computed_len=computed,
+            query_tokens=tuple(query),
+            pages=tuple(mem.pages),
+            samples=samples,
+            swa_pages=tuple(mem.swa_pages),
+            swa_start=mem.swa_start,
+            recurrent_slots=tuple(mem.recurrent_slots),
+            admission=admission,
+        )
+
+    def _prompt(self, uid: int) -> list[int]:
+        req = self._reqs[uid]
+        return req.tokens[: req.prompt_len]
+
+    def commit(self, step: ScheduledStep, sampled: Mapping[int, int], stopped: Iterable[int] = ()) -> list[int]:
+        """Record a step's sampled tokens; release requests that ended.
+
+        ``sampled`` maps uid -> the token sampled for each sequence that
+        samples; ``stopped`` names requests the engine ended early (EOS, stop
+        string, stop token). Returns the uids released, in step order:
+        stopped ones and those whose output budget is spent.
+        """
+        stopped = set(stopped)
+        released: list[int] = []
+        for seq in step.seqs:
+            req = self._reqs.get(seq.uid)
+            if req is None:
+                continue
+            if self.kv.sliding_window is not None:
+                self.kv.slide(seq.uid, seq.seq_len)
+            if seq.samples and seq.uid in sampled:
+                req.tokens.append(int(sampled[seq.uid]))
+                req.outputs += 1
+            if seq.uid in stopped or req.outputs >= req.max_tokens:
+                self._finish(req)
+                released.append(seq.uid)
+        for uid in stopped:
+            if uid in self._reqs and uid not in released:
+                self._finish(self._reqs[uid])
+                released.append(uid)
+        return released
+
+    def _finish(self, req: _Req) -> None:
+        self.planner.finish(req.uid)
+        # KV exists for every token but the last sampled one.
+        self.kv.release(req.uid, req.tokens[: len(req.tokens) - 1] if req.outputs else req.tokens)
+        del self._reqs[req.uid]
+
+    # --------------------------------------------------------------- stats
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for uid in self._reqs:
+            if not self.planner.is_known(uid):
+                raise AssertionError(f"request {uid} is held by the scheduler but not the planner")
+        if self.planner.slots.capacity - self.planner.slots.available != self.planner.num_running:
+            raise AssertionError("slot table disagrees with the running set")
