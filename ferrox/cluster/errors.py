@@ -107,6 +107,8 @@ class OpenAIError(Exception):
 # ------------------------------------------------------------------ validation -> 400
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Tags pydantic puts in ``loc`` for the members of a union of plain types.
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "bytes", "none", "dict", "list", "tuple", "set", "frozenset"})
 
 
 def param_path(loc: Sequence[Any]) -> str | None:
@@ -124,7 +126,8 @@ def param_path(loc: Sequence[Any]) -> str | None:
     kept = [
         str(p)
         for p in parts
-        if (isinstance(p, int) and not isinstance(p, bool)) or (isinstance(p, str) and _IDENTIFIER.match(p))
+        if (isinstance(p, int) and not isinstance(p, bool))
+        or (isinstance(p, str) and _IDENTIFIER.match(p) and p not in _TYPE_TAGS)
     ]
     return ".".join(kept) or None
 
@@ -155,10 +158,9 @@ def _describe(error: Mapping[str, Any]) -> tuple[str, str | None, str]:
         return f"Missing required parameter: '{param}'", param, "missing_required_parameter"
     if kind == "unsupported_parameter":
         return msg, param, "unsupported_parameter"
-    if kind.endswith("_type") or kind.endswith("_parsing") or kind.startswith("literal"):
-        code = "invalid_type"
-    else:
-        code = "invalid_value"
+    code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else "invalid_value"
+    if f"'{param.rsplit('.', 1)[-1]}'" in msg:  # our own messages already name the field
+        return msg, param, code
     got = ""
     if "input" in error and not isinstance(error["input"], (dict, list)):
         got = f" (got {_short(error['input'])})"

@@ -104,6 +104,8 @@ class _Request(BaseModel):
     def _stop_as_list(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [value]
+        if value is not None and not isinstance(value, list):
+            raise PydanticCustomError("stop_type", "'stop' must be a string or a list of strings")
         return value
 
     @field_validator("stop")
@@ -215,7 +217,7 @@ class ChatMessage(BaseModel):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise PydanticCustomError(
                     "unsupported_content_part",
-                    "only content parts of type 'text' are supported, got {kind!r}",
+                    "only content parts of type 'text' are supported, got '{kind}'",
                     {"kind": kind},
                 )
             if not isinstance(part.get("text"), str):
@@ -314,21 +316,19 @@ class CompletionRequest(_Request):
     @field_validator("prompt", mode="before")
     @classmethod
     def _single_prompt(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return value
-        if not isinstance(value, list):
-            raise PydanticCustomError(
-                "prompt_type", "'prompt' must be a string, a list of token ids, or a list of one of those"
-            )
-        if value and all(isinstance(v, (str, list)) for v in value):
+        # Checked by hand so that a bad prompt yields one error at 'prompt'
+        # instead of one per union member.
+        if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
             if len(value) != 1:
                 raise _unsupported("prompt", f"one prompt per request, got a batch of {len(value)}")
-            return value[0]
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            raise PydanticCustomError(
-                "prompt_type", "'prompt' must be a string, a list of token ids, or a list of one of those"
-            )
-        return value
+            value = value[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            return value
+        raise PydanticCustomError(
+            "prompt_type", "'prompt' must be a string, a list of token ids, or a list of one of those"
+        )
 
     @field_validator("echo")
     @classmethod

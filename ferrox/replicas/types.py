@@ -122,6 +122,10 @@ class TokenChunk:
     usage: Usage | None = None
     error: str | None = None
     replica: str | None = None
+    #: HTTP status the ingress should answer with when ``error`` is set before
+    #: any token was produced (400 for a request that can never run, 503 for a
+    #: full queue); ``None`` means a server-side failure (500).
+    error_status: int | None = None
 
     @property
     def finished(self) -> bool:

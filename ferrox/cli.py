@@ -1,0 +1,253 @@
+"""``ferrox``: the command line.
+
+- ``ferrox serve``: start (or join) a local Ray cluster, deploy the app, print
+  the URL and a ready-to-paste curl, stop cleanly on Ctrl-C.
+- ``ferrox generate``: run the engine offline in this process.
+- ``ferrox bench offline``: the offline throughput benchmark (``bench.py``).
+- ``ferrox grafana push``: upload the Grafana dashboard (``cluster/grafana.py``).
+
+Decided here: argument names and exit codes (0 ok, 2 bad usage or a clear
+operational error, 1 anything unexpected). Deliberately thin: every command
+calls into the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from ferrox.replicas.config import EngineConfig
+    from ferrox.replicas.engine import LLMEngine
+    from ferrox.replicas.types import SamplingParams
+
+    config = EngineConfig(
+        model=ns.model,
+        max_prefill_tokens=ns.max_prefill_tokens,
+        kv_cache_bytes=ns.kv_cache_bytes,
+        device=ns.device,
+        torch_threads=ns.threads,
+        attention_backend=ns.attention_backend,
+    )
+    engine = LLMEngine(config)
+    try:
+        if ns.prompt_token_ids:
+            ids = [int(t) for t in ns.prompt_token_ids.split(",") if t.strip()]
+        elif ns.chat:
+            ids = engine.tokenizer.apply_chat_template(
+                [{"role": "user", "content": ns.prompt}], add_generation_prompt=True, tokenize=True
+            )
+            if hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            ids = list(ids)
+        else:
+            ids = engine.tokenizer(ns.prompt).input_ids
+        params = SamplingParams(
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            top_k=ns.top_k,
+            seed=ns.seed,
+            stop=tuple(ns.stop or ()),
+            ignore_eos=ns.ignore_eos,
+        )
+        try:
+            stream = engine.add_request(ids, params)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        token_ids: list[int] = []
+        text: list[str] = []
+        last = None
+        for chunk in stream:
+            token_ids.extend(chunk.token_ids)
+            text.append(chunk.text)
+            if not ns.json:
+                print(chunk.text, end="", flush=True)
+            last = chunk
+        assert last is not None
+        if ns.json:
+            print(json.dumps({
+                "prompt_token_ids": ids,
+                "token_ids": token_ids,
+                "text": "".join(text),
+                "finish_reason": last.finish_reason,
+                "usage": {
+                    "prompt_tokens": last.usage.prompt_tokens,
+                    "completion_tokens": last.usage.completion_tokens,
+                    "cached_tokens": last.usage.cached_tokens,
+                } if last.usage else None,
+            }))
+        else:
+            print()
+            print(f"[finish_reason={last.finish_reason}]", file=sys.stderr)
+        return 0
+    finally:
+        engine.shutdown()
+
+
+def _load_serve_config(path: str) -> tuple[dict, dict]:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    apps = data.get("applications") or []
+    for app in apps:
+        if app.get("import_path") == "ferrox.cluster.app:build_app":
+            return dict(app.get("args") or {}), dict(data.get("http_options") or {})
+    raise SystemExit(f"error: {path} has no application with import_path ferrox.cluster.app:build_app")
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    import ray
+    from pydantic import ValidationError
+    from ray import serve
+
+    from ferrox.cluster.app import build_app
+    from ferrox.cluster.config import AppArgs
+
+    args: dict = {}
+    http: dict = {}
+    if ns.config:
+        args, http = _load_serve_config(ns.config)
+    if ns.model:
+        args["model"] = ns.model
+    if ns.replicas is not None:
+        args.pop("autoscaling_config", None)
+        args["num_replicas"] = ns.replicas
+    try:
+        parsed = AppArgs.model_validate(args)
+    except ValidationError as exc:
+        print(f"error: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    port = ns.port or int(http.get("port", 8000))
+    host = ns.host or http.get("host", "127.0.0.1")
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    started_ray = False
+    if not ray.is_initialized():
+        try:
+            ray.init(address="auto", logging_level=logging.WARNING)
+        except (ConnectionError, RuntimeError, ValueError):
+            ray.init(logging_level=logging.WARNING)
+            started_ray = True
+    serve.start(http_options={"host": host, "port": port})
+    print(f">> deploying {parsed.model} on {parsed.num_replicas or 'autoscaled'} replica(s)...", flush=True)
+    t0 = time.time()
+    serve.run(build_app(parsed), name="ferrox", route_prefix="/", blocking=False)
+    url = f"http://{host}:{port}"
+    name = parsed.served_model_name or parsed.model
+    print(f">> ferrox is serving {name} at {url}/v1  (ready in {time.time() - t0:.0f}s)")
+    print(">> try:")
+    print(
+        f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"
+    )
+    print(">> Ctrl-C to stop", flush=True)
+    stop = {"now": False}
+
+    def _handler(signum, frame):
+        stop["now"] = True
+
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)
+    try:
+        while not stop["now"]:
+            time.sleep(0.2)
+    finally:
+        print(">> shutting down", flush=True)
+        try:
+            serve.delete("ferrox")
+            serve.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
+    print(">> stopped")
+    return 0
+
+
+def _bench(ns: argparse.Namespace) -> int:
+    from ferrox.bench import run_offline
+
+    return run_offline(ns)
+
+
+def _grafana(ns: argparse.Namespace) -> int:
+    from ferrox.cluster.grafana import push_command
+
+    return push_command(ns)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferrox", description="LLM serving on Ray Serve")
+    parser.add_argument("--log-level", default=os.environ.get("FERROX_LOG_LEVEL", "WARNING"))
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="serve the model on a local Ray cluster (OpenAI API)")
+    p.add_argument("--config", help="a Serve config YAML (e.g. deploy/serve.yaml)")
+    p.add_argument("--model", help="model name or path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--replicas", type=int, help="number of engine replicas")
+    p.add_argument("--port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("generate", help="generate offline, in this process")
+    p.add_argument("--model", default="SmolLM2-135M-Instruct")
+    p.add_argument("--prompt", default="")
+    p.add_argument("--chat", action="store_true", help="apply the chat template to --prompt")
+    p.add_argument("--prompt-token-ids", help="comma-separated token ids instead of --prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print token ids, text and finish_reason as JSON")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int)
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--max-prefill-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
+    p.set_defaults(func=_generate)
+
+    p = sub.add_parser("bench", help="benchmarks")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    b = bsub.add_parser("offline", help="offline throughput vs transformers")
+    b.add_argument("--model", default="SmolLM2-135M-Instruct")
+    b.add_argument("--prompts", type=int, default=64, help="prompts in the workload (W: 64)")
+    b.add_argument("--single", type=int, default=8, help="prompts run one at a time (concurrency 1)")
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--threads", type=int, default=None)
+    b.add_argument("--skip-transformers", action="store_true")
+    b.add_argument("--device", default="auto")
+    b.set_defaults(func=_bench)
+
+    p = sub.add_parser("grafana", help="Grafana dashboard")
+    gsub = p.add_subparsers(dest="grafana", required=True)
+    g = gsub.add_parser("push", help="create or update the ferrox dashboard in Grafana")
+    g.add_argument("--url", required=True)
+    g.add_argument("--token")
+    g.add_argument("--user")
+    g.add_argument("--password")
+    g.add_argument("--folder")
+    g.add_argument("--dashboard", help="dashboard JSON (default: the packaged ferrox dashboard)")
+    g.set_defaults(func=_grafana)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(ns.log_level).upper(), logging.WARNING),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return int(ns.func(ns) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""The model runner: one scheduled step in, sampled tokens out.
+
+Decided here:
+
+- How a :class:`~ferrox.scheduler.core.ScheduledStep` becomes tensors: the
+  query tokens of every sequence concatenated (varlen, each sequence its own
+  query length), their positions, and attention metadata with each
+  sequence's page table and slot mapping.
+- Logits are computed only for the positions that sample (the last token of
+  a prompt's final chunk, every decode), never for a whole prompt.
+- Pool sizing: on CUDA the KV pool is what ``gpu_memory_utilization`` of the
+  device leaves after the weights and a measured activation peak (a dummy
+  forward of ``max_prefill_tokens`` tokens); on CPU it is
+  ``kv_cache_bytes``. The page count is that budget over
+  :meth:`KVCache.bytes_per_page`, never a guess.
+- Threads: on CPU the runner sets torch's intra-op thread count to the
+  configured ``torch_threads`` so several replicas on one machine do not
+  oversubscribe its cores.
+
+Deliberately not here: which requests run (the scheduler), sampling
+parameters' semantics (``sampler.py``) and text (``detokenizer.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ferrox.scheduler.core import ScheduledStep
+
+from .attention import build_metadata
+from .config import EngineConfig
+from .kv_cache import KVCache
+from .loader import ModelFiles, load_weights_iter
+from .models import get_model_class
+from .sampler import Sampler, SamplingState
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        # fp32 on CPU: bf16 matmuls are slower than fp32 on CPUs without AMX.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass
+class StepOutput:
+    """Sampled token per sampling sequence (uid -> token id) and timings (s)."""
+
+    sampled: dict[int, int]
+    forward_s: float
+
+
+class ModelRunner:
+    """Owns the model weights, the KV pool tensors and the sampler of one replica."""
+
+    def __init__(self, config: EngineConfig, files: ModelFiles) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu" and config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        hf_config = files.config
+        cls = get_model_class(hf_config)
+        backend = config.attention_backend
+        if backend == "auto":
+            backend = "auto" if self.device.type == "cuda" else "sdpa"
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            self.model = cls(hf_config, dtype=self.dtype, device=self.device, attention_backend=backend)
+        self.model.load_weights(load_weights_iter(files))
+        self.model.eval()
+        self.load_s = time.perf_counter() - t0
+        self.page_size = config.page_size
+        self.vocab_size = int(self.model.vocab_size)
+        self.sampler = Sampler(self.vocab_size, self.device)
+        if config.seed is not None:
+            self.sampler.generator.manual_seed(config.seed)
+        self.num_pages = self._size_pool()
+        self.kv = KVCache.allocate(
+            self.model.num_layers,
+            self.num_pages,
+            self.page_size,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+            self.dtype,
+            self.device,
+        )
+        log.info(
+            "runner ready: %s on %s/%s, %d pages of %d tokens (%d KV tokens), weights loaded in %.2fs",
+            files.name, self.device, self.dtype, self.num_pages, self.page_size,
+            self.num_pages * self.page_size, self.load_s,
+        )
+
+    # -------------------------------------------------------------- sizing
+    def bytes_per_page(self) -> int:
+        return KVCache.bytes_per_page(
+            self.model.num_layers, self.page_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
+        )
+
+    def _size_pool(self) -> int:
+        per_page = self.bytes_per_page()
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        else:
+            budget = self.config.kv_cache_bytes
+        pages = int(budget // per_page)
+        if pages < 1:
+            raise RuntimeError(
+                f"the KV budget of {budget} bytes holds no page of {per_page} bytes; "
+                "raise kv_cache_bytes or gpu_memory_utilization"
+            )
+        return pages
+
+    @torch.inference_mode()
+    def _cuda_kv_budget(self) -> int:
+        """vLLM's rule: utilization * total - (weights + activation peak + others' use)."""
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        free_before, total = torch.cuda.mem_get_info(self.device)
+        # Measure the activation peak with one dummy forward over a one-page cache.
+        n = self.config.max_prefill_tokens
+        scratch = KVCache.allocate(
+            self.model.num_layers, -(-n // self.page_size), self.page_size,
+            self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
+        )
+        meta = build_metadata([n], [n], [list(range(-(-n // self.page_size)))], self.page_size, self.device)
+        ids = torch.zeros(n, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, meta.positions(), scratch, meta)
+        self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free_after, _ = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free_after - torch.cuda.memory_allocated(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - max(used_by_others, 0)
+        log.info("CUDA memory: total %.1f GiB, activation+weights peak %.2f GiB, KV budget %.2f GiB",
+                 total / 2**30, peak / 2**30, budget / 2**30)
+        return budget
+
+    # ------------------------------------------------------------- running
+    @torch.inference_mode()
+    def execute(self, step: ScheduledStep, states: dict[int, SamplingState]) -> StepOutput:
+        """Run one step's forward pass and sample every sequence that samples.
+
+        ``states`` holds the sampling state of each uid in the step that
+        samples. Returns uid -> sampled token id.
+        """
+        t0 = time.perf_counter()
+        seqs = step.seqs
+        tokens: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_uids: list[int] = []
+        offset = 0
+        for s in seqs:
+            tokens.extend(s.query_tokens)
+            q = len(s.query_tokens)
+            query_lens.append(q)
+            seq_lens.append(s.seq_len)
+            tables.append(list(s.pages))
+            offset += q
+            if s.samples and s.uid in states:
+                sample_rows.append(offset - 1)
+                sample_uids.append(s.uid)
+        meta = build_metadata(query_lens, seq_lens, tables, self.page_size, self.device)
+        input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta.positions(), self.kv, meta)
+        sampled: dict[int, int] = {}
+        if sample_rows:
+            if len(sample_rows) == hidden.shape[0]:
+                picked = hidden
+            else:
+                picked = hidden[torch.tensor(sample_rows, device=self.device)]
+            logits = self.model.compute_logits(picked)
+            next_ids = self.sampler(logits, [states[u] for u in sample_uids]).tolist()
+            sampled = dict(zip(sample_uids, next_ids))
+        return StepOutput(sampled, time.perf_counter() - t0)
