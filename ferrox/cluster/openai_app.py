@@ -195,19 +195,24 @@ def _chunk_failure(chunk: TokenChunk) -> OpenAIError | None:
 
 
 class _ClosingStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always closes its body iterator.
+    """A StreamingResponse that notices a departed client and always closes its body iterator.
 
-    Starlette stops iterating when the client disconnects but, with ASGI
-    spec 2.4 servers, leaves the generator suspended until garbage
-    collection; closing it here runs its ``finally`` (and so the backend's
-    abort) at once.
+    Starlette watches for ``http.disconnect`` only under ASGI spec < 2.4; under
+    2.4 it waits for a failing ``send``, which never comes while the backend
+    is still queueing or prefilling, and it then leaves the generator
+    suspended until garbage collection. Here the watch is kept for every
+    server (``receive`` reports ``http.disconnect`` in all spec versions) and
+    the generator is closed at once, so its ``finally`` aborts the backend
+    request.
     """
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope.get("type") == "http":
+            scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": "2.3"}}
         try:
             await super().__call__(scope, receive, send)
-        except ClientDisconnect:
-            # The client went away (ASGI 2.4: a send failed); nobody is left to tell.
+        except (ClientDisconnect, OSError):
+            # The client went away while we were sending; nobody is left to tell.
             logger.info("client disconnected during a streamed response")
         finally:
             await _aclose(self.body_iterator)
@@ -390,7 +395,7 @@ class _Frontend:
         if body.stream:
             events = self._events(iterator, first, body, gen_request, created, chat)
             headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return _ClosingStreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             text, finish_reason, usage = await self._collect(iterator, first, gen_request)
         finally:

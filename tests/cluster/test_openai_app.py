@@ -731,19 +731,31 @@ async def drive_until_disconnect(app, body: dict[str, Any], spec_version: str, c
             if len(bodies) >= chunks_before_leaving:
                 gone.set()
 
-    with anyio.fail_after(10):
+    with anyio.fail_after(5):
         await app(scope, receive, send)
     return bodies
 
 
 @pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
-async def test_a_client_leaving_mid_stream_closes_the_backend_stream(app, backend, spec_version):
-    backend.hang_after = 3  # without the disconnect the request would never end
+async def test_a_client_leaving_while_the_backend_is_busy_closes_the_backend_stream(app, backend, spec_version):
+    # The backend stalls after its first token, so no send can fail: only the
+    # http.disconnect message can end the request (under 2.4 as well).
+    backend.hang_after = 1
     bodies = await drive_until_disconnect(app, chat_body(stream=True), spec_version, chunks_before_leaving=2)
-    assert [json.loads(b.decode()[len("data: "):])["choices"][0]["delta"] for b in bodies[:2]] == [
+    assert [json.loads(b.decode()[len("data: "):])["choices"][0]["delta"] for b in bodies] == [
         {"role": "assistant", "content": ""}, {"content": "<|im_start|>"},
     ]
-    assert backend.closed == [(backend.requests[0].request_id, 3 if spec_version == "2.3" else 1)]
+    assert backend.closed == [(backend.requests[0].request_id, 1)]
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_a_client_leaving_while_tokens_flow_closes_the_backend_stream(app, backend, spec_version):
+    backend.hang_after = 6  # never reached: the client leaves first
+    bodies = await drive_until_disconnect(app, chat_body(stream=True), spec_version, chunks_before_leaving=3)
+    assert len(bodies) == 3
+    [(request_id, chunks)] = backend.closed
+    assert request_id == backend.requests[0].request_id
+    assert 2 <= chunks <= 6
 
 
 async def test_a_client_leaving_a_real_socket_mid_stream_closes_the_backend_stream(app, backend):

@@ -75,8 +75,8 @@ def test_a_negative_serve_replica_count_is_refused(helm):
 
 def test_worker_min_replicas_above_max_replicas_is_refused(helm, tmp_path):
     err = helm.template_error("-f", write_values(tmp_path, {"workerGroups": [gpu_group(minReplicas=5, maxReplicas=2, replicas=2)]}))
-    assert "execution error at (ferrox/templates/rayservice.yaml:1:4): " \
-           "workerGroups[gpu]: minReplicas (5) must not exceed maxReplicas (2)" in err
+    assert "execution error at (ferrox/templates/rayservice.yaml" in err
+    assert "workerGroups[gpu]: minReplicas (5) must not exceed maxReplicas (2)" in err
 
 
 def test_serve_min_replicas_above_max_replicas_is_refused(helm):
@@ -124,6 +124,12 @@ def test_more_gpu_replicas_than_gpus_is_refused(helm):
     err = helm.template_error("--set", "serve.numReplicas=5")
     assert "the Serve application needs 5 GPUs (one per replica) but the worker groups hold " \
            "at most 4 (gpus x maxReplicas)" in err
+
+
+def test_without_the_ray_autoscaler_only_the_started_pods_count(helm):
+    err = helm.template_error("--set", "serve.numReplicas=2", "--set", "rayAutoscaler.enabled=false")
+    assert "the Serve application needs 2 GPUs (one per replica) but the worker groups hold " \
+           "at most 1 (gpus x replicas, as the Ray autoscaler is off)" in err
 
 
 def test_duplicate_worker_group_names_are_refused(helm, tmp_path):

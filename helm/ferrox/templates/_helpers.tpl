@@ -94,13 +94,16 @@ value with another, so these run while rendering and stop helm with `fail`.
 {{- if or (lt $replicas (int .minReplicas)) (gt $replicas (int .maxReplicas)) }}
 {{- fail (printf "workerGroups[%s]: replicas (%d) must lie within minReplicas..maxReplicas (%d..%d)" .name $replicas (int .minReplicas) (int .maxReplicas)) }}
 {{- end }}
-{{- $gpuCapacity = add $gpuCapacity (mul (int (default 0 .gpus)) (int .maxReplicas)) }}
+{{- /* Without the Ray autoscaler a group keeps its start count of pods. */}}
+{{- $pods := ternary (int .maxReplicas) $replicas $.Values.rayAutoscaler.enabled }}
+{{- $gpuCapacity = add $gpuCapacity (mul (int (default 0 .gpus)) $pods) }}
 {{- end }}
 {{- /* Derived actor options put one replica on one GPU: make sure they fit. */}}
 {{- if and (not .Values.serve.rayActorOptions) (include "ferrox.hasGPUWorkers" .) }}
-{{- $need := ternary (int $a.minReplicas) (int .Values.serve.numReplicas) (and $a.enabled true) }}
+{{- $need := ternary (int $a.minReplicas) (int .Values.serve.numReplicas) $a.enabled }}
 {{- if gt $need (int $gpuCapacity) }}
-{{- fail (printf "the Serve application needs %d GPUs (one per replica) but the worker groups hold at most %d (gpus x maxReplicas)" $need (int $gpuCapacity)) }}
+{{- $rule := ternary "gpus x maxReplicas" "gpus x replicas, as the Ray autoscaler is off" .Values.rayAutoscaler.enabled }}
+{{- fail (printf "the Serve application needs %d GPUs (one per replica) but the worker groups hold at most %d (%s)" $need (int $gpuCapacity) $rule) }}
 {{- end }}
 {{- end }}
 {{- if and (eq .Values.upgradeStrategy.type "NewClusterWithIncrementalUpgrade") (not .Values.rayAutoscaler.enabled) }}

@@ -1,0 +1,112 @@
+"""``ferrox bench offline``: output tokens/s of ferrox vs transformers on the same weights.
+
+Workload W (issue 3): 64 chat prompts "Write a long story about the number
+{i}.", greedy, exactly ``--max-tokens`` (128) new tokens each (EOS ignored).
+Reports, in one run and side by side: output tok/s at concurrency 1 (the
+first ``--single`` prompts one at a time) and at concurrency 64 (all at
+once), for ferrox's engine and for ``transformers`` ``generate`` (batch 64,
+left-padded), their ratios, and peak RSS.
+
+A benchmark, not a test: it prints figures and asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import time
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def workload(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": f"Write a long story about the number {i}."}] for i in range(n)]
+
+
+def _encode(tokenizer, messages) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def run_offline(ns: argparse.Namespace) -> int:
+    import torch
+
+    from ferrox.replicas.config import EngineConfig
+    from ferrox.replicas.engine import LLMEngine
+    from ferrox.replicas.types import SamplingParams
+
+    threads = ns.threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    rss0 = _rss_mb()
+    config = EngineConfig(model=ns.model, device=ns.device, torch_threads=threads,
+                          max_num_seqs=max(64, ns.prompts), max_prefill_tokens=2048,
+                          kv_cache_bytes=256 << 20)
+    engine = LLMEngine(config)
+    prompts = [_encode(engine.tokenizer, m) for m in workload(ns.prompts)]
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
+    weights_mb = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()) / 2**20
+    kv_mb = engine.runner.num_pages * engine.runner.bytes_per_page() / 2**20
+    print(f"model {engine.model_name}: {weights_mb:.0f} MB weights ({engine.runner.dtype}), "
+          f"KV pool {kv_mb:.0f} MB, {threads} threads, device {engine.runner.device}")
+
+    # Warm-up (first-call allocations), not timed.
+    engine.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+
+    results: dict[str, float] = {}
+    t0 = time.perf_counter()
+    produced = 0
+    for ids in prompts[: ns.single]:
+        produced += engine.generate(ids, params).usage.completion_tokens
+    results["ferrox_c1"] = produced / (time.perf_counter() - t0)
+    print(f"ferrox        concurrency 1 : {results['ferrox_c1']:7.1f} tok/s  ({produced} tokens)", flush=True)
+
+    t0 = time.perf_counter()
+    streams = [engine.add_request(ids, params) for ids in prompts]
+    produced = sum(s.result().usage.completion_tokens for s in streams)
+    elapsed = time.perf_counter() - t0
+    results["ferrox_cN"] = produced / elapsed
+    print(f"ferrox        concurrency {len(prompts)}: {results['ferrox_cN']:7.1f} tok/s  ({produced} tokens in {elapsed:.1f}s)",
+          flush=True)
+    engine.check_integrity()
+    ferrox_rss = _rss_mb()
+    print(f"peak RSS after ferrox: {ferrox_rss:.0f} MB (start {rss0:.0f} MB; weights + KV + 600 MB = "
+          f"{rss0 + weights_mb + kv_mb + 600:.0f} MB)")
+    engine.shutdown()
+
+    if not ns.skip_transformers:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = engine.files.path
+        tok = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model.eval()
+        gen = dict(max_new_tokens=ns.max_tokens, min_new_tokens=ns.max_tokens, do_sample=False,
+                   pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        with torch.inference_mode():
+            model.generate(torch.tensor([prompts[0]]), **{**gen, "max_new_tokens": 4, "min_new_tokens": 4})
+            t0 = time.perf_counter()
+            produced = 0
+            for ids in prompts[: ns.single]:
+                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **gen)
+                produced += out.shape[1] - len(ids)
+            results["hf_c1"] = produced / (time.perf_counter() - t0)
+            print(f"transformers  concurrency 1 : {results['hf_c1']:7.1f} tok/s", flush=True)
+            width = max(len(p) for p in prompts)
+            pad = gen["pad_token_id"]
+            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+            t0 = time.perf_counter()
+            out = model.generate(input_ids, attention_mask=mask, **gen)
+            elapsed = time.perf_counter() - t0
+            results["hf_cN"] = (out.shape[1] - width) * len(prompts) / elapsed
+            print(f"transformers  batch {len(prompts)}      : {results['hf_cN']:7.1f} tok/s", flush=True)
+        print()
+        print(f"{'':14}{'ferrox':>10}{'transformers':>14}{'ratio':>8}")
+        print(f"{'concurrency 1':14}{results['ferrox_c1']:10.1f}{results['hf_c1']:14.1f}{results['ferrox_c1'] / results['hf_c1']:8.2f}")
+        print(f"{'concurrency ' + str(len(prompts)):14}{results['ferrox_cN']:10.1f}{results['hf_cN']:14.1f}"
+              f"{results['ferrox_cN'] / results['hf_cN']:8.2f}")
+    return 0
