@@ -44,6 +44,7 @@ import json
 import logging
 import math
 import re
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -108,7 +109,9 @@ class Backend(Protocol):
       :class:`OpenAIError` (e.g. 503 overloaded) before the first chunk to
       refuse it; ``TokenChunk.replica`` names the replica; a chunk with
       ``error`` set ends the stream with that error. Closing the iterator
-      (``aclose``) before its end aborts the request.
+      (``aclose``) before its end aborts the request. Declared as what an
+      ``async def`` with ``yield`` is; an ``async def`` that returns an async
+      iterator is accepted too (the app awaits it first).
     - ``healthy()`` / ``capacity()``: for /health and /v1/capacity
       (``capacity`` returns :meth:`CapacitySnapshot.to_dict` dicts).
     """
@@ -226,6 +229,10 @@ class _Frontend:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        # Tokenization runs in worker threads (long prompts would stall every
+        # stream on the event loop); one at a time, because a fast tokenizer's
+        # Rust object refuses concurrent use ("Already borrowed").
+        self._tokenizer_lock = threading.Lock()
 
     # -- preparation ------------------------------------------------------------
 
@@ -250,9 +257,10 @@ class _Frontend:
 
     def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         try:
-            encoded = self.backend.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
+            with self._tokenizer_lock:
+                encoded = self.backend.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
         except jinja2.TemplateError as exc:
             # The template's raise_exception (e.g. "roles must alternate") is the client's problem.
             raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
@@ -260,19 +268,21 @@ class _Frontend:
 
     def _encode_text(self, prompt: str) -> list[int]:
         # The tokenizer's default special tokens: a BOS where the model wants one, none for SmolLM2.
-        return _token_list(self.backend.tokenizer(prompt))
+        with self._tokenizer_lock:
+            return _token_list(self.backend.tokenizer(prompt))
 
     def _check_vocab(self, token_ids: Sequence[int], param: str) -> None:
         vocab = len(self.backend.tokenizer)
-        for token in token_ids:
-            if not 0 <= token < vocab:
-                raise OpenAIError(
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= vocab:
+            token = low if low < 0 else high
+            raise OpenAIError(
                     400,
-                    f"Token id {token} in '{param}' is out of range: this model's vocabulary "
-                    f"has {vocab} tokens (ids 0 to {vocab - 1})",
-                    param=param,
-                    code="invalid_value",
-                )
+                f"Token id {token} in '{param}' is out of range: this model's vocabulary "
+                f"has {vocab} tokens (ids 0 to {vocab - 1})",
+                param=param,
+                code="invalid_value",
+            )
 
     def _output_budget(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int, where: str) -> int:
         """The request's max_tokens after the context and KV-pool checks (see module docstring)."""
@@ -395,7 +405,7 @@ class _Frontend:
         if body.stream:
             events = self._events(iterator, first, body, gen_request, created, chat)
             headers.update({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+            return _ClosingStreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             text, finish_reason, usage = await self._collect(iterator, first, gen_request)
         finally:

@@ -227,15 +227,23 @@ class CapacityRouter(RequestRouter):
             self._ledger.retain(r.replica_id.unique_id for r in replicas)
 
 
-def request_router_config(args: RouterArgs) -> RequestRouterConfig:
+def request_router_config(
+    args: RouterArgs, router_class: type[CapacityRouter] = CapacityRouter
+) -> RequestRouterConfig:
     """The ``request_router_config`` for the engine deployment.
 
     Stats are pulled every ``args.stats_period_s`` (Serve's default is 10 s,
     far too slow for capacity routing) with ``args.stats_timeout_s``;
     ``args.stale_after_s`` reaches :meth:`CapacityRouter.initialize_state`.
+    ``router_class``: :class:`CapacityRouter` or a subclass (e.g. one whose
+    :meth:`~CapacityRouter.on_decision` exports metrics). Serve pickles it
+    *by value* together with its module, so the module must import cleanly
+    wherever a handle routes (ingress replicas, proxies).
     """
+    if not (isinstance(router_class, type) and issubclass(router_class, CapacityRouter)):
+        raise TypeError(f"router_class must be CapacityRouter or a subclass, got {router_class!r}")
     return RequestRouterConfig(
-        request_router_class=CapacityRouter,
+        request_router_class=router_class,
         request_router_kwargs={"stale_after_s": args.stale_after_s},
         request_routing_stats_period_s=args.stats_period_s,
         request_routing_stats_timeout_s=args.stats_timeout_s,

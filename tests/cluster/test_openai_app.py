@@ -8,7 +8,6 @@ finish reason and token count below is known exactly in advance.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import json
 import os
@@ -272,6 +271,14 @@ async def test_a_completion_tokenizes_without_bos_and_finishes_with_stop(client,
         "prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4, "prompt_tokens_details": {"cached_tokens": 0}
     }
     assert response.headers["x-ferrox-replica"] == "echo-0"
+
+
+async def test_text_parts_template_like_the_same_string(client, backend):
+    parts = [{"type": "text", "text": "Hi"}]
+    await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": parts}]})
+    await client.post("/v1/chat/completions", json=chat_body())
+    assert backend.requests[0].prompt_token_ids == backend.requests[1].prompt_token_ids
+    assert backend.requests[0].prompt_len == HI_TOKENS
 
 
 async def test_a_token_id_prompt_goes_through_untouched(client, backend):
@@ -618,7 +625,9 @@ async def test_an_overloaded_backend_is_a_503_with_retry_after(client, backend, 
 
 async def test_a_mid_stream_error_is_an_error_event_then_done(client, backend):
     backend.fail_after = 2
-    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello world again", "stream": True})
+    response = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hello world again", "stream": True}
+    )
     assert response.status_code == 200
     events = sse_events(response.text)
     assert [e["choices"][0]["text"] for e in events[:2]] == ["Hello", " world"]
@@ -697,10 +706,17 @@ async def test_models_lists_the_one_model(client):
     ]
 
 
+async def test_retrieving_an_unknown_model_is_a_404(client):
+    response = await client.get("/v1/models/gpt-4o")
+    assert assert_error(response, 404, "not_found_error", "model")["code"] == "model_not_found"
+
+
 # ------------------------------------------------------------------ client disconnect
 
 
-async def drive_until_disconnect(app, body: dict[str, Any], spec_version: str, chunks_before_leaving: int) -> list[bytes]:
+async def drive_until_disconnect(
+    app, body: dict[str, Any], spec_version: str, chunks_before_leaving: int
+) -> list[bytes]:
     """Run one streamed request through the raw ASGI interface; the client leaves after
     ``chunks_before_leaving`` body messages. ASGI 2.3 servers tell the app with an
     ``http.disconnect`` message; 2.4 servers by failing the next ``send`` with OSError."""

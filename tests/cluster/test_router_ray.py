@@ -10,9 +10,15 @@ the router's ranking decides where ``handle.generate.remote(GenerateRequest)``
 lands. The end-to-end test with the engine's own snapshots comes with the
 application builder.
 
-Each case first waits until the router has the new figures (the first
-reply from the expected replica), then requires many replies in a row from
-it: Serve's default power-of-two router would spread them across both.
+Snapshots reach the router some time after the test sets them (the
+stats period, the controller's loop, the long-poll broadcast), and until
+both replicas' new snapshots are in, the router rightly decides on the old
+ones. So the deployment uses :class:`ObservedCapacityRouter`, CapacityRouter
+unchanged but for telling the board which figures ("generation", carried in
+the snapshot's ``model`` field) each decision saw. A case counts only the
+replies to requests ranked on the new figures of *both* replicas, and needs
+IN_A_ROW of them, all from the expected replica (Serve's default
+power-of-two router would spread them across both).
 """
 
 from __future__ import annotations
@@ -28,7 +34,11 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from ferrox.cluster.config import RouterArgs  # noqa: E402
-from ferrox.cluster.router import CapacityRouter, request_router_config  # noqa: E402
+from ferrox.cluster.router import (  # noqa: E402
+    CapacityRouter,
+    generate_request_of,
+    request_router_config,
+)
 from ferrox.replicas.types import CapacitySnapshot, GenerateRequest, SamplingParams  # noqa: E402
 
 NAMESPACE = "ferrox-router-test"
@@ -44,6 +54,7 @@ class SnapshotBoard:
     def __init__(self) -> None:
         self.ids: list[str] = []
         self.figures: dict[str, dict] = {}
+        self.views: dict[str, dict] = {}  # request id -> {replica id: generation it was ranked on}
 
     def register(self, replica_id: str) -> None:
         self.ids.append(replica_id)
@@ -56,6 +67,28 @@ class SnapshotBoard:
 
     def get(self, replica_id: str) -> dict | None:
         return self.figures.get(replica_id)
+
+    def note(self, request_id: str, view: dict) -> None:
+        self.views[request_id] = view
+
+    def view_of(self, request_id: str) -> dict | None:
+        return self.views.get(request_id)
+
+
+class ObservedCapacityRouter(CapacityRouter):
+    """CapacityRouter, plus a note to the board of the snapshot generations each ranking saw."""
+
+    _board = None
+
+    def rank(self, candidate_replicas, pending_request):
+        view = {r.replica_id.unique_id: (r.routing_stats or {}).get("model") for r in candidate_replicas}
+        decision = super().rank(candidate_replicas, pending_request)
+        request = generate_request_of(pending_request)
+        if request is not None:
+            if self._board is None:
+                self._board = ray.get_actor(BOARD, namespace=NAMESPACE)
+            self._board.note.remote(request.request_id, view)
+        return decision
 
 
 @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=64)
@@ -84,13 +117,13 @@ class StandInReplica:
         return self.replica_id
 
 
-def figures(kv_tokens_available: int, prefix_digest: tuple[int, ...] = ()) -> dict:
+def figures(generation: str, kv_tokens_available: int, prefix_digest: tuple[int, ...] = ()) -> dict:
     return dict(
-        model="stand-in",
-        free_slots=8,
-        max_slots=8,
+        model=generation,
+        free_slots=64,
+        max_slots=64,
         kv_tokens_available=kv_tokens_available,
-        kv_tokens_total=16384,
+        kv_tokens_total=131072,
         swa_tokens_available=None,
         recurrent_slots_available=None,
         waiting_requests=0,
@@ -103,9 +136,9 @@ def figures(kv_tokens_available: int, prefix_digest: tuple[int, ...] = ()) -> di
     )
 
 
-def request(n: int, prompt_len: int, max_tokens: int, prefix_hashes: tuple[int, ...] = ()) -> GenerateRequest:
+def request(n: str, prompt_len: int, max_tokens: int, prefix_hashes: tuple[int, ...] = ()) -> GenerateRequest:
     return GenerateRequest(
-        request_id=f"req-{n}",
+        request_id=n,
         prompt_token_ids=tuple(range(prompt_len)),
         params=SamplingParams(max_tokens=max_tokens),
         prefix_hashes=prefix_hashes,
@@ -119,7 +152,9 @@ def cluster():
         board = SnapshotBoard.options(name=BOARD).remote()
         serve.start(proxy_location="Disabled")
         app = StandInReplica.options(
-            request_router_config=request_router_config(RouterArgs(stats_period_s=0.2))
+            request_router_config=request_router_config(
+                RouterArgs(stats_period_s=0.2), router_class=ObservedCapacityRouter
+            )
         ).bind()
         handle = serve.run(app, name="router-test", route_prefix=None)
         deadline = time.monotonic() + 30
@@ -132,20 +167,24 @@ def cluster():
         ray.shutdown()
 
 
-def replies_converge_on(handle, make_request, expected: str, timeout_s: float = 15.0) -> list[str]:
-    """Wait for the first reply from ``expected``, then return the next IN_A_ROW replies."""
+def replies_on_new_figures(handle, board, generation: str, make_request, timeout_s: float = 30.0) -> list[str]:
+    """Send requests until IN_A_ROW were ranked on ``generation`` of both replicas; their replies."""
     deadline = time.monotonic() + timeout_s
+    replies: list[str] = []
     n = 0
-    seen = []
-    while True:
-        got = handle.generate.remote(make_request(n)).result(timeout_s=10)
+    while len(replies) < IN_A_ROW:
+        assert time.monotonic() < deadline, f"only {len(replies)} requests ranked on {generation} in {timeout_s}s"
+        request_id = f"{generation}-{n}"
         n += 1
-        seen.append(got)
-        if got == expected:
-            break
-        assert time.monotonic() < deadline, f"never routed to {expected}; got {seen[-10:]}"
-        time.sleep(0.05)
-    return [handle.generate.remote(make_request(n + i)).result(timeout_s=10) for i in range(IN_A_ROW)]
+        reply = handle.generate.remote(make_request(request_id)).result(timeout_s=10)
+        view = ray.get(board.view_of.remote(request_id))
+        while view is None:  # the note is sent before the request; it may land after the reply
+            assert time.monotonic() < deadline, f"no ranking noted for {request_id}"
+            time.sleep(0.01)
+            view = ray.get(board.view_of.remote(request_id))
+        if len(view) == 2 and all(g == generation for g in view.values()):
+            replies.append(reply)
+    return replies
 
 
 def test_the_request_router_config_carries_the_router_and_the_stats_period():
@@ -157,37 +196,48 @@ def test_the_request_router_config_carries_the_router_and_the_stats_period():
     assert config.request_routing_stats_timeout_s == 1.5
 
 
+def test_the_request_router_config_refuses_a_router_that_is_not_a_capacity_router():
+    from ray.serve.request_router import RequestRouter
+
+    with pytest.raises(TypeError, match="CapacityRouter or a subclass"):
+        request_router_config(RouterArgs(), router_class=RequestRouter)
+
+
 def test_a_long_request_goes_to_the_replica_that_can_seat_it(cluster):
     handle, board, (a, b) = cluster
-    # a: 300 KV tokens left; b: 8000. A 400 + 100 request reserves 512.
-    ray.get([board.set.remote(a, figures(300)), board.set.remote(b, figures(8000))])
-    assert replies_converge_on(handle, lambda n: request(n, 400, 100), b) == [b] * IN_A_ROW
+    # a: 300 KV tokens left; b: 100000. A 400 + 100 request reserves 512.
+    ray.get([board.set.remote(a, figures("seat-1", 300)), board.set.remote(b, figures("seat-1", 100_000))])
+    assert replies_on_new_figures(handle, board, "seat-1", lambda n: request(n, 400, 100)) == [b] * IN_A_ROW
 
     # swap the figures: now only a can seat it.
-    ray.get([board.set.remote(a, figures(8000)), board.set.remote(b, figures(300))])
-    assert replies_converge_on(handle, lambda n: request(n, 400, 100), a) == [a] * IN_A_ROW
+    ray.get([board.set.remote(a, figures("seat-2", 100_000)), board.set.remote(b, figures("seat-2", 300))])
+    assert replies_on_new_figures(handle, board, "seat-2", lambda n: request(n, 400, 100)) == [a] * IN_A_ROW
 
 
 def test_a_repeated_prefix_goes_to_the_replica_whose_digest_holds_it(cluster):
     handle, board, (a, b) = cluster
     hashes = (101, 102, 103, 104, 105, 106)  # the prompt's 6 full pages
+
+    def prompt(n):
+        return request(n, 6 * PAGE + 5, 20, hashes)
+
     # both can seat it; b has more headroom, a holds the prefix.
     ray.get(
         [
-            board.set.remote(a, figures(6000, prefix_digest=hashes)),
-            board.set.remote(b, figures(9000)),
+            board.set.remote(a, figures("prefix-1", 60_000, prefix_digest=hashes)),
+            board.set.remote(b, figures("prefix-1", 90_000)),
         ]
     )
-    assert replies_converge_on(handle, lambda n: request(n, 6 * PAGE + 5, 20, hashes), a) == [a] * IN_A_ROW
+    assert replies_on_new_figures(handle, board, "prefix-1", prompt) == [a] * IN_A_ROW
 
     # the cached prefix moves to b.
     ray.get(
         [
-            board.set.remote(a, figures(9000)),
-            board.set.remote(b, figures(6000, prefix_digest=hashes)),
+            board.set.remote(a, figures("prefix-2", 90_000)),
+            board.set.remote(b, figures("prefix-2", 60_000, prefix_digest=hashes)),
         ]
     )
-    assert replies_converge_on(handle, lambda n: request(n, 6 * PAGE + 5, 20, hashes), b) == [b] * IN_A_ROW
+    assert replies_on_new_figures(handle, board, "prefix-2", prompt) == [b] * IN_A_ROW
 
 
 def test_a_call_without_a_generate_request_is_still_routed(cluster):
