@@ -151,4 +151,25 @@ class FerroxIngress:
         self.backend = ServeBackend(replica, info, tokenizer, max_waiting_requests, app_name, replica_deployment)
 
     def __serve_build_asgi_app__(self):
-        return create_app(self.backend)
+        return _without_own_request_id(create_app(self.backend))
+
+
+def _without_own_request_id(app):
+    """Serve's proxy already answers with ``x-request-id`` (its own request id,
+    which it also hands the app as the incoming header, so the app uses the
+    same value). Drop the app's copy so clients see the header once."""
+    header = b"x-request-id"
+
+    async def wrapped(scope, receive, send):
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+
+        async def send_once(message):
+            if message["type"] == "http.response.start":
+                message = dict(message)
+                message["headers"] = [(k, v) for k, v in message.get("headers", []) if k.lower() != header]
+            await send(message)
+
+        return await app(scope, receive, send_once)
+
+    return wrapped

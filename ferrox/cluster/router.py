@@ -135,9 +135,9 @@ class CapacityRouter(RequestRouter):
         if snapshot is not None:
             self._ledger.settle(uid, snapshot.timestamp)
         routed_n, routed_t = self._ledger.totals(uid)
-        queue_len = self._replica_queue_len_cache.get(replica.replica_id)
-        if queue_len is None:
-            queue_len = self._ledger.in_flight(uid)
+        # Serve's count includes other routers' requests (replicas report it);
+        # the ledger's includes this router's requests ranked but not yet sent.
+        queue_len = max(self._replica_queue_len_cache.get(replica.replica_id) or 0, self._ledger.in_flight(uid))
         return Candidate(
             replica_id=uid,
             snapshot=snapshot,

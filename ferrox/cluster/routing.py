@@ -101,9 +101,10 @@ class Candidate:
     - ``routed_requests`` / ``routed_tokens``: what this router sent the
       replica after the snapshot was taken (:meth:`RoutedLedger.totals`);
       tokens are page-rounded reservations as :func:`tokens_needed` computes.
-    - ``queue_len``: requests queued or running there by Serve's count (its
-      queue-length cache) or this router's in-flight count; ``None`` counts
-      as 0. Used only when the snapshot cannot be.
+    - ``queue_len``: requests queued or running there: the larger of Serve's
+      count (its queue-length cache) and this router's in-flight count
+      (:meth:`RoutedLedger.in_flight`); ``None`` counts as 0. Used only when
+      the snapshot cannot be.
     """
 
     replica_id: str
@@ -374,15 +375,18 @@ class RoutedLedger:
       released its reservation, and a snapshot older than its completion
       never counted it as free, nor will a newer one count it as used.
     - *in-flight* keys per replica: sent and not yet completed, whatever
-      the snapshots say. The queue-length fallback reads this when Serve
-      has no queue length of its own.
+      the snapshots say. The queue-length fallback reads this (with the
+      provisional entries) next to Serve's own queue length.
 
     :meth:`record` writes a provisional since-snapshot entry when the policy
     picks a replica, before Serve has sent anything, so a burst of requests
     ranked back to back does not pile onto the same replica; :meth:`routed`
     confirms it (possibly on another replica, with a fresh timestamp).
     A provisional entry that is never confirmed (the request was cancelled)
-    is cleared by the next snapshot. Not thread-safe; the caller locks.
+    is cleared by the next snapshot. One approximation, accepted: a request
+    accepted by a replica just before a snapshot but not yet handed to its
+    engine is settled without being counted, for one stats period at most.
+    Not thread-safe; the caller locks.
     Times are seconds on the ``time.time()`` clock.
     """
 
@@ -441,8 +445,15 @@ class RoutedLedger:
         return len(entries), sum(t for t, _ in entries.values())
 
     def in_flight(self, replica_id: str) -> int:
-        """Requests sent to ``replica_id`` and not completed."""
-        return len(self._in_flight.get(replica_id, ()))
+        """Requests sent (or provisionally headed) to ``replica_id`` and not completed.
+
+        Provisional entries count: in a burst, requests are ranked back to
+        back before Serve has sent any of them, and a queue-length fallback
+        that ignored them would send the whole burst to one replica.
+        """
+        sent = self._in_flight.get(replica_id, set())
+        headed = self._since.get(replica_id, {})
+        return len(sent) + sum(1 for k in headed if k not in sent)
 
     def retain(self, replica_ids: Iterable[str]) -> None:
         """Forget every replica not in ``replica_ids`` (it left the deployment)."""

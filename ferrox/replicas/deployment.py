@@ -68,7 +68,10 @@ class FerroxReplica:
             yield chunk
 
     def record_routing_stats(self) -> dict:
-        return self.engine.capacity_snapshot().to_dict()
+        # Rebuilt on every call: an idle engine's last snapshot would
+        # otherwise age past the router's staleness bound and lose routing
+        # by capacity and prefix after a pause.
+        return self.engine.refresh_snapshot().to_dict()
 
     async def capacity(self) -> dict:
         return self.engine.capacity_snapshot().to_dict()

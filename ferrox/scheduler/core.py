@@ -99,6 +99,8 @@ class _Req:
     max_tokens: int
     outputs: int = 0
     cached_len: int = 0
+    #: Positions whose KV a committed step has written.
+    computed: int = 0
     prefilled: bool = False
     slot: int = -1
 
@@ -137,6 +139,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ requests
     def add_request(self, uid: int, prompt: Sequence[int], max_tokens: int) -> None:
+        if uid in self._reqs:
+            # The planner forgets a request whose budget a step spends when it
+            # plans that step; its pages stay here until the step's commit.
+            raise RequestRefused("duplicate", f"request {uid} is already queued or running")
         self.planner.add_request(uid, len(prompt), max_tokens)
         self._reqs[uid] = _Req(uid, list(prompt), len(prompt), max_tokens)
 
@@ -232,17 +238,29 @@ class Scheduler:
         ``sampled`` maps uid -> the token sampled for each sequence that
         samples; ``stopped`` names requests the engine ended early (EOS, stop
         string, stop token). Returns the uids released, in step order:
-        stopped ones and those whose output budget is spent.
+        stopped ones and those whose output budget is spent. Sequences of
+        requests aborted since :meth:`schedule` are skipped.
+
+        Raises ``ValueError``, changing nothing, when a sampling sequence of
+        a live request has no token in ``sampled``: the planner counted that
+        token against the request's budget when it planned the step, so
+        going on would leave the request live here and forgotten there.
         """
+        missing = [
+            seq.uid for seq in step.seqs if seq.samples and seq.uid in self._reqs and seq.uid not in sampled
+        ]
+        if missing:
+            raise ValueError(f"no sampled token for request(s) {missing} of this step")
         stopped = set(stopped)
         released: list[int] = []
         for seq in step.seqs:
             req = self._reqs.get(seq.uid)
             if req is None:
                 continue
+            req.computed = seq.seq_len
             if self.kv.sliding_window is not None:
                 self.kv.slide(seq.uid, seq.seq_len)
-            if seq.samples and seq.uid in sampled:
+            if seq.samples:
                 req.tokens.append(int(sampled[seq.uid]))
                 req.outputs += 1
             if seq.uid in stopped or req.outputs >= req.max_tokens:
@@ -256,8 +274,10 @@ class Scheduler:
 
     def _finish(self, req: _Req) -> None:
         self.planner.finish(req.uid)
-        # KV exists for every token but the last sampled one.
-        self.kv.release(req.uid, req.tokens[: len(req.tokens) - 1] if req.outputs else req.tokens)
+        # KV exists for the positions committed steps computed: every token
+        # but the last sampled one, or, for a prompt stopped between chunks,
+        # only its computed part (a partly written page must not be cached).
+        self.kv.release(req.uid, req.tokens[: req.computed])
         del self._reqs[req.uid]
 
     # --------------------------------------------------------------- stats

@@ -133,9 +133,15 @@ class KVManager:
 
     def allocate(self, uid: int, upto: int) -> None:
         """Phase two: make request ``uid`` hold pages for positions ``[0, upto)``
-        (and window pages for its window of them), evicting unlocked cache
-        pages if the free list is short. Raises :class:`OutOfPages` if even
-        eviction cannot cover it -- an admission bug, never a normal outcome."""
+        (and window pages from its window's start through ``upto``), evicting
+        unlocked cache pages if the free list is short. Raises
+        :class:`OutOfPages` if even eviction cannot cover it -- an admission
+        bug, never a normal outcome.
+
+        Window pages are not slid here: the step about to run attends, from
+        its first query on, to keys up to a window before that query, so the
+        pages its *last* query no longer needs are still read while it runs.
+        :meth:`slide` gives them back once the step has run."""
         mem = self._requests[uid]
         p = self.page_size
         need = -(-upto // p) - len(mem.pages)
@@ -143,7 +149,6 @@ class KVManager:
             self._ensure_free(need)
             mem.pages.extend(self.pages.allocate(need, uid))
         if self.sliding_window is not None:
-            self._slide(mem, upto)
             need = -(-upto // p) - mem.swa_start // p - len(mem.swa_pages)
             if need > 0:
                 mem.swa_pages.extend(self.swa_pages.allocate(need, uid))

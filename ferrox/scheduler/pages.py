@@ -72,14 +72,17 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Iterable[int], owner: int) -> None:
-        """Return ``pages`` held by ``owner``. Raises ``ValueError`` if any is
-        free already or held by someone else."""
+        """Return ``pages`` held by ``owner``. Raises ``ValueError``, freeing
+        none of them, if any is free already, held by someone else, or named
+        twice (which would put it on the free list twice)."""
         pages = list(pages)
         for page in pages:
             held_by = self._owner[page]
             if held_by != owner:
                 state = "free" if held_by == _FREE else f"held by {held_by}"
                 raise ValueError(f"page {page} freed by {owner} but it is {state}")
+        if len(set(pages)) != len(pages):
+            raise ValueError(f"a page is named twice in one free by {owner}: {sorted(pages)[:16]}")
         for page in pages:
             self._owner[page] = _FREE
             self._free.append(page)

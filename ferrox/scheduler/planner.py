@@ -14,7 +14,10 @@ Decided here, on top of the seed's admission rules (``admission.py``):
   sees one slot fewer, three recurrent slots fewer, the tokens of the
   matched prefix it just locked (no longer evictable), and the rounding of
   the reservation up to whole pages (pages are allocated whole; the seed's
-  own check compares tokens).
+  own check compares tokens). The matched prefix is also taken out of the
+  capacity the prompt's *own* check reads: the measured ``kv_tokens``
+  counts it as evictable, but once locked it is no room for the prompt
+  that locked it (SGLang checks with the node locked for the same reason).
 - Reservations between steps: the decode set's remaining output plus a page
   each (the seed's ``inflight_tokens``), plus, for each prompt still being
   chunked, its remaining prompt and whole output budget plus a page.
@@ -137,7 +140,8 @@ class StepPlanner:
     Parameters (all tokens unless stated):
         geometry: page size, sliding window, recurrent.
         max_slots: request slots (concurrency limit).
-        max_prefill_tokens: prefill token budget of one step (chunk size).
+        max_prefill_tokens: prefill token budget of one step (chunk size);
+            at least one page for a window model (``ValueError`` otherwise).
         max_model_len: context length; prompt + output beyond it is refused.
         kv_pool_tokens: the whole full-attention pool (pages * page_size).
         swa_pool_tokens: the whole window pool (window models).
@@ -159,6 +163,14 @@ class StepPlanner:
     ) -> None:
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if geometry.sliding_window is not None and max_prefill_tokens < geometry.page_size:
+            # A window model's continuation must end on a page boundary; a
+            # budget short of one page could never run one, and the prompt
+            # would hold its slot forever.
+            raise ValueError(
+                f"a window model's max_prefill_tokens must be at least one page "
+                f"({geometry.page_size} tokens), got {max_prefill_tokens}"
+            )
         self.geometry = geometry
         self.slots = SlotTable(max_slots)
         self.max_prefill_tokens = max_prefill_tokens
@@ -348,7 +360,11 @@ class StepPlanner:
                 if g.sliding_window is not None:
                     swa_avail = swa_free - swa_outstanding - new_reserve
                     cap = replace(cap, swa_tokens=max(swa_avail, 0))
-                refusal = pass_.check_admission(request, cached, cap)
+                # The prompt's own matched prefix is in the measured kv_tokens
+                # as evictable until this admission locks it: it is no room
+                # for the prompt itself.
+                seat = replace(cap, kv_tokens=cap.kv_tokens - hit.evictable_len) if hit.evictable_len else cap
+                refusal = pass_.check_admission(request, cached, seat)
                 if refusal is None and g.sliding_window is not None:
                     reserve = self.window_reserve(request.prompt_len, request.output_len)
                     if reserve > swa_avail - pass_.reserved_swa:

@@ -306,6 +306,16 @@ def test_a_snapshot_settles_only_the_requests_routed_before_it():
     assert ledger.in_flight("a") == 2
 
 
+def test_requests_ranked_in_a_burst_count_in_flight_before_serve_sends_them():
+    ledger = RoutedLedger()
+    ledger.record("r1", "a", 32, at=10.0)
+    ledger.routed("r2", "a", 32, at=10.1)
+    assert ledger.in_flight("a") == 2
+    # once a snapshot counts r1, only requests actually sent stay in flight.
+    ledger.settle("a", snapshot_timestamp=10.5)
+    assert ledger.in_flight("a") == 1
+
+
 def test_a_completed_request_leaves_both_books():
     ledger = RoutedLedger()
     ledger.routed("r1", "a", 64, at=10.0)
@@ -318,7 +328,7 @@ def test_a_provisional_entry_moves_to_the_replica_that_accepted():
     ledger = RoutedLedger()
     ledger.record("r1", "a", 64, at=10.0)
     assert ledger.totals("a") == (1, 64)
-    assert ledger.in_flight("a") == 0
+    assert ledger.in_flight("a") == 1
     ledger.routed("r1", "b", 80, at=10.5)
     assert ledger.totals("a") == (0, 0)
     assert ledger.totals("b") == (1, 80)
@@ -372,3 +382,29 @@ def test_ledger_totals_feed_the_policy_until_a_newer_snapshot_counts_them():
     assert ledger.totals("a") == (0, 0)
     newest = replace(a_snap, seq=3, timestamp=102.0, kv_tokens_available=1000)
     assert rank(request, candidates(newest)).ranking == ("a", "b")
+
+
+def test_a_burst_without_fresh_stats_alternates_between_replicas():
+    ledger = RoutedLedger()
+    request = RequestShape(prompt_len=16, max_tokens=16)
+    picks = []
+    for i in range(4):
+        candidates = [Candidate(r, None, queue_len=ledger.in_flight(r)) for r in ("a", "b")]
+        top = rank(request, candidates).ranking[0]
+        ledger.record(f"r{i}", top, 32, at=10.0 + i)
+        picks.append(top)
+    assert picks == ["a", "b", "a", "b"]
+
+
+def test_a_burst_between_snapshots_alternates_between_equal_replicas():
+    ledger = RoutedLedger()
+    request = RequestShape(prompt_len=16, max_tokens=16)  # need 32
+    picks = []
+    for i in range(4):
+        candidates = [
+            Candidate(r, snap(r, timestamp=9.0), 0.1, *ledger.totals(r)) for r in ("a", "b")
+        ]
+        d = rank(request, candidates)
+        ledger.record(f"r{i}", d.ranking[0], d.best.need_tokens, at=10.0 + i)
+        picks.append(d.ranking[0])
+    assert picks == ["a", "b", "a", "b"]

@@ -238,7 +238,8 @@ class LlamaForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as transformers computes it: in float32, cast back, then times the gain."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         xf = x.float()
@@ -246,9 +247,17 @@ class LlamaForCausalLM(nn.Module):
         return weight * xf.to(x.dtype)
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, 1, head_dim // 2]`` in the model dtype for int64 ``positions [T]``."""
+        """RoPE tables for int64 ``positions [T]``: ``cos`` and signed ``sin``, each ``[T, 1, head_dim]`` in the model dtype.
+
+        With ``roll(x) = cat(x2, x1)`` (the halves swapped), transformers'
+        ``x * cos + rotate_half(x) * sin`` is ``x * cos + roll(x) * sin_signed``
+        where ``sin_signed = cat(-sin, sin)``.
+        """
         freqs = positions.float()[:, None] * self.inv_freq
-        return freqs.cos().to(self.dtype)[:, None, :], freqs.sin().to(self.dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1).to(self.dtype)[:, None, :]
+        sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)[:, None, :]
+        return cos, sin
 
     @torch.inference_mode()
     def forward(
@@ -268,33 +277,36 @@ class LlamaForCausalLM(nn.Module):
         num_tokens = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         half = d // 2
-        q_end = hq * d
+        q_width = hq * d
         k_end = (hq + hkv) * d
+        inter = self.intermediate_size
         cos, sin = self.rope_cos_sin(positions)
         backend = self.backend
         scale = self.scale
-        eps = self.eps
-        fp32 = self.dtype == torch.float32
         kv_k, kv_v = kv_cache.k, kv_cache.v
         windows = self.layer_windows
-        norm_shape = (self.hidden_size,)
+        norm = self._norm
 
+        # Residual adds ride on the matmuls (addmm with beta=1) where there is no bias.
         x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
-            h = F.rms_norm(x, norm_shape, layer.input_norm, eps) if fp32 else self._rms_norm(x, layer.input_norm)
-            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            qkv = F.linear(norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
             qk = qkv[:, :k_end].view(num_tokens, hq + hkv, d)
-            x1, x2 = qk[..., :half], qk[..., half:]
-            qk = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             v = qkv[:, k_end:].view(num_tokens, hkv, d)
-            attn = backend.forward(
-                qk[:, :hq], qk[:, hq:], v, kv_k[i], kv_v[i], meta, scale, windows[i]
-            )
-            x = x + F.linear(attn.reshape(num_tokens, q_end), layer.o_weight, layer.o_bias)
-            h = F.rms_norm(x, norm_shape, layer.post_norm, eps) if fp32 else self._rms_norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up_weight, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
-        return F.rms_norm(x, norm_shape, self.norm, eps) if fp32 else self._rms_norm(x, self.norm)
+            attn = backend.forward(qk[:, :hq], qk[:, hq:], v, kv_k[i], kv_v[i], meta, scale, windows[i])
+            attn = attn.reshape(num_tokens, q_width)
+            if layer.o_bias is None:
+                x = torch.addmm(x, attn, layer.o_weight.t())
+            else:
+                x = x + F.linear(attn, layer.o_weight, layer.o_bias)
+            gate_up = F.linear(norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias)
+            act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+            if layer.down_bias is None:
+                x = torch.addmm(x, act, layer.down_weight.t())
+            else:
+                x = x + F.linear(act, layer.down_weight, layer.down_bias)
+        return norm(x, self.norm)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
