@@ -11,7 +11,7 @@ setup:
 	@bash scripts/setup.sh
 
 serve: setup
-	$(VENV)/bin/ferrox serve $(ARGS)
+	$(VENV)/bin/ferrox serve --config deploy/serve.yaml $(ARGS)
 
 test-tools:
 	@bash scripts/test-tools.sh

@@ -132,9 +132,12 @@ def _serve(ns: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started_ray = False
     if not ray.is_initialized():
-        try:
-            ray.init(address="auto", logging_level=logging.WARNING)
-        except (ConnectionError, RuntimeError, ValueError):
+        # Join a cluster only when told where it is: probing for one ("auto")
+        # can latch onto a stale address and abort the process.
+        address = ns.address or os.environ.get("RAY_ADDRESS")
+        if address:
+            ray.init(address=address, logging_level=logging.WARNING)
+        else:
             ray.init(logging_level=logging.WARNING)
             started_ray = True
     serve.start(http_options={"host": host, "port": port})
@@ -195,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, help="number of engine replicas")
     p.add_argument("--port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--host", help="HTTP host (default 127.0.0.1)")
+    p.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("generate", help="generate offline, in this process")

@@ -110,9 +110,18 @@ class AttentionMetadata:
         """int64 ``[T]`` absolute position of every query token, on the metadata's device."""
         plan = self._plans.get("positions")
         if plan is None:
-            plan = _positions_host(self.query_lens, self.seq_lens_host).to(self.device)
+            plan = _to_device(_positions_host(self.query_lens, self.seq_lens_host), self.device)
             self._plans["positions"] = plan
         return plan
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device`` without stalling the host on queued GPU work (pinned, non-blocking)."""
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _positions_host(query_lens: list[int], seq_lens: list[int]) -> torch.Tensor:
@@ -186,16 +195,17 @@ def build_metadata(
         starts.append(starts[-1] + q)
     device = torch.device(device)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor(starts, dtype=torch.int32).to(device),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
-        page_table=page_table.to(device),
-        slot_mapping=slot_mapping.to(device),
+        query_start_loc=_to_device(torch.tensor(starts, dtype=torch.int32), device),
+        seq_lens=_to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+        page_table=_to_device(page_table, device),
+        slot_mapping=_to_device(slot_mapping, device),
         query_lens=query_lens,
         seq_lens_host=seq_lens,
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
     meta._plans["host_page_table"] = page_table
+    meta._plans["host_page_rows"] = table_rows
     return meta
 
 
@@ -309,13 +319,13 @@ def _build_sdpa_plan(meta: AttentionMetadata, window: int | None, page_size: int
                     qpos = torch.arange(q)
                     kpos = torch.arange(s)
                     mask = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - w)
-                    mask = mask.to(device)
+                    mask = _to_device(mask, device)
                 prefills.append(_PrefillPlan(start, start + q, True, None, 0, s, mask))
             else:
                 first = _first_key_position(computed, w)
                 first_page = first // page_size
                 last_page = (s - 1) // page_size
-                pages = host_table[b, first_page : last_page + 1].to(device)
+                pages = _to_device(host_table[b, first_page : last_page + 1].to(torch.int64), device)
                 key_offset = first - first_page * page_size
                 key_len = s - first
                 kpos = torch.arange(first, s)
@@ -324,7 +334,7 @@ def _build_sdpa_plan(meta: AttentionMetadata, window: int | None, page_size: int
                 if w is not None:
                     allowed &= kpos[None, :] > qpos[:, None] - w
                 prefills.append(
-                    _PrefillPlan(start, start + q, False, pages, key_offset, key_len, allowed.to(device))
+                    _PrefillPlan(start, start + q, False, pages, key_offset, key_len, _to_device(allowed, device))
                 )
         start += q
 
@@ -343,9 +353,17 @@ def _build_sdpa_plan(meta: AttentionMetadata, window: int | None, page_size: int
             first_pages.append(fp)
             counts.append((s - 1) // page_size - fp + 1)
         per_row = max(counts)
-        rows = torch.zeros(n, per_row, dtype=torch.int64)
-        for i, b in enumerate(decode_rows):
-            rows[i, : counts[i]] = host_table[b, first_pages[i] : first_pages[i] + counts[i]]
+        table_rows = meta._plans.get("host_page_rows")
+        if table_rows is None:
+            table_rows = host_table.tolist()
+        rows = torch.tensor(
+            [
+                # Pad with the row's own last page: masked, but never another sequence's data.
+                table_rows[b][fp : fp + c] + [table_rows[b][fp + c - 1]] * (per_row - c)
+                for b, fp, c in zip(decode_rows, first_pages, counts)
+            ],
+            dtype=torch.int64,
+        )
         if n == 1:
             s = seq_lens[decode_rows[0]]
             mask = None
@@ -358,12 +376,12 @@ def _build_sdpa_plan(meta: AttentionMetadata, window: int | None, page_size: int
             )
             lens = torch.tensor([seq_lens[b] for b in decode_rows], dtype=torch.int64)[:, None]
             starts = torch.tensor(firsts, dtype=torch.int64)[:, None]
-            mask = ((kpos < lens) & (kpos >= starts)).view(n, 1, 1, -1).to(device)
+            mask = _to_device(((kpos < lens) & (kpos >= starts)).view(n, 1, 1, -1), device)
         all_decode = n == len(query_lens)
         decode = _DecodePlan(
             count=n,
-            token_index=None if all_decode else torch.tensor(decode_tokens, dtype=torch.int64).to(device),
-            pages=rows.view(-1).to(device),
+            token_index=None if all_decode else _to_device(torch.tensor(decode_tokens, dtype=torch.int64), device),
+            pages=_to_device(rows.view(-1), device),
             pages_per_row=per_row,
             key_offset=key_offset,
             key_len=key_len,
@@ -539,7 +557,7 @@ class FlashBackend:
                 starts = [0]
                 for s in meta.seq_lens_host:
                     starts.append(starts[-1] + s)
-                cu_k = torch.tensor(starts, dtype=torch.int32).to(meta.device)
+                cu_k = _to_device(torch.tensor(starts, dtype=torch.int32), meta.device)
                 meta._plans["flash_cu_seqlens_k"] = cu_k
             kwargs["cu_seqlens_k"] = cu_k
         return self._fn(**kwargs)

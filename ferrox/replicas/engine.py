@@ -117,6 +117,15 @@ class RequestStream:
             if not self.finished:
                 self._engine.abort(self.request_id)
 
+    def close(self) -> None:
+        """Stop reading: an unfinished request is aborted (its memory comes back at once)."""
+        if not self.finished:
+            self._engine.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Async form of :meth:`close`, for callers that close async iterators with ``aclose``."""
+        self.close()
+
     def result(self) -> TokenChunk:
         """Collect the whole output into one chunk (sync streams only)."""
         ids: list[int] = []
@@ -262,6 +271,19 @@ class LLMEngine:
         return True
 
     # -------------------------------------------------------------- status
+    def request_phase(self, request_id: str) -> str | None:
+        """Where a live request is: ``"waiting"`` (not admitted yet),
+        ``"prefilling"`` (admitted, its prompt partly computed in chunks),
+        ``"decoding"``; ``None`` once it ended or if it is unknown."""
+        with self._lock:
+            uid = self._by_id.get(request_id)
+            if uid is None:
+                return None
+            pending = self.scheduler.planner.pending(uid)
+            if pending is None:
+                return "decoding"
+            return "waiting" if pending.chunk is None else "prefilling"
+
     @property
     def healthy(self) -> bool:
         return self._error is None and not self._stop and self._thread.is_alive()

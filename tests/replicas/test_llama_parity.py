@@ -106,6 +106,24 @@ def test_a_prompt_prefilled_in_three_chunks_equals_the_whole_prefill(kind, tiny_
     assert (whole.step({"s": [nxt]})["s"] - chunked.step({"s": [nxt]})["s"]).abs().max().item() <= 1e-5
 
 
+def test_pages_that_slid_out_of_the_window_are_never_read(tiny_config, hf_and_ferrox, paged_driver):
+    # The window pool frees a request's slid-out pages while it runs and hands
+    # them to others. Fill them with NaN: any read of them, masked or not,
+    # would poison the output (0 * NaN is NaN).
+    hf, ours = hf_and_ferrox(tiny_config("mistral-window"))
+    driver = paged_driver(ours, page_size=4, seed=11)
+    short = [31, 32, 33]
+    driver.step({"a": PROMPT, "y": short, "z": [9, 8, 7, 6, 5, 4, 3, 2]})
+    # a's next query sits at position 13 and sees positions 9..13: its pages 0 and 1 are dead.
+    dead = driver.pages["z"][0:2]
+    driver.pages["a"][0:2] = dead
+    driver.cache.k[:, dead] = float("nan")
+    driver.cache.v[:, dead] = float("nan")
+    out = driver.step({"a": [42], "y": [43]})  # one batched decode, y's row padded
+    assert (out["a"][0] - hf_logits(hf, PROMPT + [42])[-1]).abs().max().item() <= TOL
+    assert (out["y"][0] - hf_logits(hf, short + [43])[-1]).abs().max().item() <= TOL
+
+
 def test_a_decode_batch_is_one_padded_attention_call_and_matches_transformers(tiny_config, hf_and_ferrox, paged_driver):
     hf, ours = hf_and_ferrox(tiny_config("llama"))
     driver = paged_driver(ours, seed=9)

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from ferrox.scheduler.admission import RECURRENT_SLOTS_PER_REQUEST, align_ceil
 from ferrox.scheduler.core import ScheduledStep, Scheduler, SchedulerConfig
-from ferrox.scheduler.simulator import Arrival, SimulationResult, Simulator, prompt_tokens
+from ferrox.scheduler.simulator import Arrival, SimulationResult, Simulator, fake_token, prompt_tokens
 
 SETTINGS = settings(
     max_examples=120,
@@ -49,7 +49,9 @@ class Case:
 
 
 @st.composite
-def cases(draw, geometry=st.sampled_from(["full", "window", "recurrent"])) -> Case:
+def cases(draw, geometry=st.sampled_from(["full", "full", "window", "recurrent"]), shared: bool = False) -> Case:
+    """A replica and a trace. ``shared``: roomier pools and most prompts on a
+    shared prefix, arriving apart, so prefix hits are the rule."""
     kind = draw(geometry)
     page = draw(st.one_of(st.integers(1, 8), st.integers(9, 64), st.integers(65, 256)))
     chunk = draw(st.one_of(st.integers(1, 3 * page + 5), st.integers(1, 64)))
@@ -60,37 +62,43 @@ def cases(draw, geometry=st.sampled_from(["full", "window", "recurrent"])) -> Ca
         num_swa = draw(st.integers(1, 24))
     if kind == "recurrent":
         recurrent_slots = draw(st.integers(0, 13))
+    pages = st.integers(8, 64) if shared else st.integers(1, 12) | st.integers(13, 64) | st.integers(13, 64)
+    context = st.just(1 << 20) if shared else st.sampled_from([1 << 20] * 3) | st.integers(2, 12 * page)
     config = SchedulerConfig(
         page_size=page,
-        num_pages=draw(st.integers(1, 40)),
+        num_pages=draw(pages),
         max_slots=draw(st.integers(1, 5)),
         max_prefill_tokens=chunk,
-        max_model_len=draw(st.one_of(st.just(1 << 20), st.integers(2, 12 * page))),
+        max_model_len=draw(context),
         sliding_window=window,
         num_swa_pages=num_swa or 0,
         recurrent=kind == "recurrent",
         num_recurrent_slots=recurrent_slots or 0,
-        enable_prefix_caching=draw(st.booleans()) or kind == "full",
+        enable_prefix_caching=shared or kind != "full" or draw(st.integers(0, 4)) > 0,
     )
     # Shared prefixes, whole pages or not, so later prompts hit earlier ones.
+    prefix_len = st.integers(page, 4 * page) if shared else st.integers(1, 4 * page) | st.integers(page, 4 * page)
     prefixes = [
-        prompt_tokens(1_000 + i, draw(st.integers(1, 4 * page)))
-        for i in range(draw(st.integers(0, 2)))
+        prompt_tokens(1_000 + i, draw(prefix_len)) for i in range(draw(st.integers(1 if shared else 0, 2)))
     ]
+    gap = draw(st.sampled_from([2, 12, 40] if shared else [0, 3, 12, 40]))  # most steps between two arrivals
     arrivals = []
+    step = 0
     for uid in range(draw(st.integers(1, 9))):
-        length = draw(st.one_of(st.integers(1, 2 * page), st.integers(1, 7 * page)))
-        prefix = draw(st.sampled_from(prefixes)) if prefixes and draw(st.booleans()) else ()
+        prefix = draw(st.sampled_from(prefixes)) if prefixes and draw(st.integers(0, 3)) else ()
+        own = draw(st.one_of(st.integers(1, 2 * page), st.integers(1, 7 * page)))
+        length = len(prefix) + own if prefix and (shared or draw(st.booleans())) else own
         output = draw(st.one_of(st.integers(1, 6), st.integers(1, 2 * page + 2)).map(lambda n: min(n, 80)))
         stop = draw(st.none() | st.integers(1, output))
+        step += draw(st.integers(0, gap))
         arrivals.append(
             Arrival(
                 uid,
-                step=draw(st.integers(0, 12)),
+                step=step,
                 prompt=prompt_tokens(uid, length, prefix),
                 output_len=output,
                 stop_after=stop,
-                abort_step=draw(st.none() | st.none() | st.integers(0, 40)),
+                abort_step=draw(st.none() | st.none() | st.integers(0, step + 30)),
             )
         )
     return Case(config, tuple(arrivals))
@@ -199,6 +207,28 @@ def test_requests_are_admitted_in_arrival_order_and_those_that_fit_alone_finish(
         assert (r.finish_reason, r.output_tokens) == expected
         assert r.admission_step is not None and r.admission_step <= r.first_token_step <= r.finish_step
         assert 0 <= r.cached_tokens < a.prompt_len and r.cached_tokens % case.config.page_size == 0
+
+
+@SETTINGS
+@given(cases(geometry=st.just("full"), shared=True))
+def test_a_prefix_hit_covers_only_whole_pages_an_earlier_request_computed(case):
+    result, sched = simulate(case)  # the memory promises are checked at every step
+    sched.kv.check_idle()
+    page = case.config.page_size
+    for a in case.arrivals:
+        r = result.requests[a.uid]
+        if r.admission_step is None:
+            continue
+        best = 0  # the longest whole-page prefix a request released before a's admission had KV for
+        for b in case.arrivals:
+            rb = result.requests[b.uid]
+            if rb.finish_reason in ("stop", "length") and rb.finish_step < r.admission_step:
+                computed = b.prompt + tuple(fake_token(b.uid, i) for i in range(rb.output_tokens - 1))
+                common = next((i for i, (x, y) in enumerate(zip(a.prompt, computed)) if x != y), None)
+                if common is None:
+                    common = min(len(a.prompt), len(computed))
+                best = max(best, common // page * page)
+        assert r.cached_tokens <= min(best, (a.prompt_len - 1) // page * page)
 
 
 @SETTINGS

@@ -112,6 +112,9 @@ def rope_inv_freq(config, head_dim: int) -> torch.Tensor:
 def _layer_windows(config, num_layers: int) -> list[int | None]:
     """Per-layer sliding window: ``config.sliding_window`` on the layers ``layer_types`` marks sliding (all, without ``layer_types``)."""
     window = getattr(config, "sliding_window", None)
+    # Qwen2 configs carry a sliding_window value even when use_sliding_window is off.
+    if getattr(config, "model_type", None) == "qwen2" and not getattr(config, "use_sliding_window", False):
+        window = None
     if window is None:
         return [None] * num_layers
     window = int(window)
@@ -170,9 +173,10 @@ class LlamaForCausalLM(nn.Module):
     full-attention layer needs the full KV pool) and ``layer_windows`` (per
     layer).
 
-    Raises ``ValueError`` for a hidden activation other than SiLU or head
-    counts that do not divide, ``NotImplementedError`` for unsupported rope
-    types.
+    Raises ``ValueError`` for a hidden activation other than SiLU, head
+    counts that do not divide, or the flash backend with a dtype other than
+    float16/bfloat16; ``NotImplementedError`` for unsupported rope types;
+    ``RuntimeError`` (from :func:`get_backend`) when ``flash`` is unusable.
     """
 
     def __init__(
@@ -214,7 +218,11 @@ class LlamaForCausalLM(nn.Module):
         distinct = set(self.layer_windows)
         self.sliding_window = self.layer_windows[0] if len(distinct) == 1 else None
 
+        if attention_backend == "auto" and dtype not in (torch.float16, torch.bfloat16):
+            attention_backend = "sdpa"  # flash kernels have no float32 path
         self.backend = get_backend(attention_backend, device)
+        if self.backend.name == "flash" and dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flash attention backend runs float16/bfloat16 only, not {dtype}")
         self.register_buffer("inv_freq", rope_inv_freq(config, self.head_dim).to(device), persistent=False)
 
         self.embed_tokens = _empty((self.vocab_size, self.hidden_size), dtype, device)

@@ -1,0 +1,127 @@
+"""The deploy/ serve configs and the `ferrox serve` command, for real.
+
+The YAMLs are validated by Ray Serve's own schema and by ferrox's AppArgs,
+and built into Serve applications; `ferrox serve` is started as a user would
+start it (a subprocess that starts its own local Ray), answers the `openai`
+client, and stops cleanly on Ctrl-C (SIGINT).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ["deploy/serve.yaml", "deploy/serve-gpu.yaml"]
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_each_serve_config_validates_under_serves_schema_and_app_args(path):
+    from ray.serve.schema import ServeDeploySchema
+
+    from ferrox.cluster.config import AppArgs
+
+    data = yaml.safe_load((ROOT / path).read_text())
+    schema = ServeDeploySchema.model_validate(data) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(data)
+    assert [a.import_path for a in schema.applications] == ["ferrox.cluster.app:build_app"]
+    args = AppArgs.model_validate(data["applications"][0]["args"])
+    assert args.model == "SmolLM2-135M-Instruct"
+
+
+def test_the_cpu_config_runs_two_replicas_on_a_cpu_share_each():
+    from ferrox.cluster.app import build_app, replica_deployment_options
+    from ferrox.cluster.config import AppArgs
+
+    data = yaml.safe_load((ROOT / "deploy/serve.yaml").read_text())
+    args = AppArgs.model_validate(data["applications"][0]["args"])
+    options = replica_deployment_options(args)
+    assert options["num_replicas"] == 2
+    assert options["ray_actor_options"] == {"num_cpus": 1}
+    assert options["request_router_config"].request_routing_stats_period_s == 0.5
+    assert type(build_app(args)).__name__ == "Application"
+
+
+def test_the_gpu_config_autoscales_one_gpu_per_replica():
+    from ferrox.cluster.app import replica_deployment_options
+    from ferrox.cluster.config import AppArgs
+
+    data = yaml.safe_load((ROOT / "deploy/serve-gpu.yaml").read_text())
+    args = AppArgs.model_validate(data["applications"][0]["args"])
+    options = replica_deployment_options(args)
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 48}
+    assert options["ray_actor_options"]["num_gpus"] == 1
+    assert args.engine.device == "cuda"
+
+
+def test_bad_args_are_refused_naming_the_key():
+    from pydantic import ValidationError
+
+    from ferrox.cluster.app import build_app
+
+    with pytest.raises(ValidationError, match="page_sise"):
+        build_app({"engine": {"page_sise": 16}})
+    with pytest.raises(ValidationError, match="min_replicas"):
+        build_app({"autoscaling_config": {"min_replicas": 5, "max_replicas": 2}})
+    with pytest.raises(ValidationError, match="not both"):
+        build_app({"num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ferrox_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
+    import openai
+
+    port = _free_port()
+    config = tmp_path / "serve.yaml"
+    data = yaml.safe_load((ROOT / "deploy/serve.yaml").read_text())
+    data["applications"][0]["args"]["engine"]["kv_cache_bytes"] = 64 << 20
+    data["applications"][0]["args"]["ray_actor_options"] = {"num_cpus": 0}
+    config.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    ferrox = Path(sys.executable).with_name("ferrox")
+    proc = subprocess.Popen(
+        [str(ferrox), "serve", "--config", str(config), "--replicas", "1", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        out = "".join(lines)
+        assert f"http://127.0.0.1:{port}/v1" in out, out[-3000:]
+        assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in out
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=12, temperature=0,
+        )
+        assert "Paris" in reply.choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rest, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rest, _ = proc.communicate()
+    assert proc.returncode == 0, (rest or "")[-3000:]
+    assert ">> stopped" in rest
