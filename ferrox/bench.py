@@ -32,6 +32,43 @@ def _encode(tokenizer, messages) -> list[int]:
     return [int(t) for t in ids]
 
 
+def write_tiny_model(kind: str, directory) -> str:
+    """Write a tiny random-weight model of a window or hybrid family as a Hugging Face
+    directory (safetensors + the embedded SmolLM2 tokenizer); returns its path.
+
+    ``kind``: ``"window"`` (Qwen3, layers sliding/full alternating, window 64)
+    or ``"hybrid"`` (Bamba, Mamba2 / attention / Mamba2). Hidden size 64, so
+    the figures measure the engine's per-step overhead and pools, not matmuls.
+    """
+    import shutil
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    from ferrox.replicas.loader import DEFAULT_MODEL, resolve_model
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=112, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=False)
+    if kind == "window":
+        config = transformers.Qwen3Config(**common, num_hidden_layers=4, head_dim=16, use_sliding_window=True,
+                                          sliding_window=64, layer_types=["sliding_attention", "full_attention"] * 2)
+    elif kind == "hybrid":
+        config = transformers.BambaConfig(**common, num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8,
+                                          mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2)
+    else:
+        raise ValueError(f"unknown tiny model kind {kind!r} (window | hybrid)")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    directory = Path(directory)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer_dir = resolve_model(DEFAULT_MODEL).path
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, directory / name)
+    return str(directory)
+
+
 def run_offline(ns: argparse.Namespace) -> int:
     import torch
 
@@ -46,6 +83,17 @@ def run_offline(ns: argparse.Namespace) -> int:
                           max_num_seqs=max(64, ns.prompts), max_prefill_tokens=2048,
                           kv_cache_bytes=256 << 20)
     engine = LLMEngine(config)
+    # Peak use of the window and recurrent pools, read before every forward pass.
+    kv = engine.scheduler.kv
+    peak = {"swa": 0, "recurrent": 0}
+    execute = engine.runner.execute
+
+    def _tracking(step, states):
+        peak["swa"] = max(peak["swa"], kv.swa_pages.num_pages - kv.swa_pages.num_free)
+        peak["recurrent"] = max(peak["recurrent"], kv.recurrent.num_pages - kv.recurrent.num_free)
+        return execute(step, states)
+
+    engine.runner.execute = _tracking
     prompts = [_encode(engine.tokenizer, m) for m in workload(ns.prompts)]
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
     weights_mb = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()) / 2**20
@@ -72,6 +120,11 @@ def run_offline(ns: argparse.Namespace) -> int:
     print(f"ferrox        concurrency {len(prompts)}: {results['ferrox_cN']:7.1f} tok/s  ({produced} tokens in {elapsed:.1f}s)",
           flush=True)
     engine.check_integrity()
+    if engine.runner.num_swa_pages:
+        print(f"window pool peak: {peak['swa']} of {engine.runner.num_swa_pages} pages "
+              f"({peak['swa'] * engine.page_size} tokens, window {engine.runner.sliding_window})")
+    if engine.runner.num_recurrent_slots:
+        print(f"recurrent pool peak: {peak['recurrent']} of {engine.runner.num_recurrent_slots} slots")
     ferrox_rss = _rss_mb()
     print(f"peak RSS after ferrox: {ferrox_rss:.0f} MB (start {rss0:.0f} MB; weights + KV + 600 MB = "
           f"{rss0 + weights_mb + kv_mb + 600:.0f} MB)")

@@ -176,8 +176,12 @@ def _serve(ns: argparse.Namespace) -> int:
 
 
 def _bench(ns: argparse.Namespace) -> int:
-    from ferrox.bench import run_offline
+    from ferrox.bench import run_offline, write_tiny_model
 
+    if getattr(ns, "tiny", None):
+        import tempfile
+
+        ns.model = write_tiny_model(ns.tiny, tempfile.mkdtemp(prefix=f"ferrox-tiny-{ns.tiny}-"))
     return run_offline(ns)
 
 
@@ -230,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=None)
     b.add_argument("--skip-transformers", action="store_true")
+    b.add_argument("--tiny", choices=("window", "hybrid"),
+                   help="write a tiny random model of that family to a temp dir and bench it (--model ignored)")
     b.add_argument("--device", default="auto")
     b.set_defaults(func=_bench)
 

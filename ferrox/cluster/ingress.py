@@ -32,6 +32,7 @@ from ferrox.replicas.loader import load_tokenizer, resolve_model
 from ferrox.replicas.types import GenerateRequest, TokenChunk
 
 from .errors import OpenAIError
+from .metrics import HttpMetrics, instrument_asgi
 from .openai_app import create_app
 
 log = logging.getLogger("ferrox.ingress")
@@ -151,7 +152,9 @@ class FerroxIngress:
         self.backend = ServeBackend(replica, info, tokenizer, max_waiting_requests, app_name, replica_deployment)
 
     def __serve_build_asgi_app__(self):
-        return _without_own_request_id(create_app(self.backend))
+        app = _without_own_request_id(create_app(self.backend))
+        # Each response counted by endpoint and status (ray_ferrox_http_requests_total).
+        return instrument_asgi(app, HttpMetrics.create(self.backend.model_name))
 
 
 def _without_own_request_id(app):

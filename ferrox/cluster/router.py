@@ -31,9 +31,10 @@ matched to the replica chosen for them (Serve's default matching).
 
 Deliberately not here: the policy's arithmetic (routing.py, testable
 without Ray), the replica's ``record_routing_stats`` (replicas/deployment.py)
-and exporting metrics (the ``outcome`` of each decision is counted in
-:attr:`CapacityRouter.outcome_counts` and passed to :meth:`CapacityRouter.on_decision`
-for whoever exports it).
+and the metrics' definitions (:mod:`ferrox.cluster.metrics`: each generate
+request's decision is exported there by outcome, with its snapshot's age; it
+is also counted in :attr:`CapacityRouter.outcome_counts` and passed to
+:meth:`CapacityRouter.on_decision`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from ray.serve.request_router import (
 )
 
 from ferrox.cluster.config import RouterArgs
+from ferrox.cluster.metrics import RouterMetrics
 from ferrox.cluster.routing import (
     MIN_DECODE_TOKENS_PER_S,
     Candidate,
@@ -112,6 +114,7 @@ class CapacityRouter(RequestRouter):
         self._lock = threading.Lock()
         self.outcome_counts: collections.Counter[str] = collections.Counter()
         self.last_decision: Decision | None = None
+        self._metrics = RouterMetrics.create()
 
     def initialize_state(
         self,
@@ -170,6 +173,8 @@ class CapacityRouter(RequestRouter):
                 self._ledger.record(pending_request.metadata.internal_request_id, top, tokens, now)
             self.outcome_counts[decision.outcome] += 1
             self.last_decision = decision
+        if shape is not None:
+            self._metrics.decision(decision, candidates)
         self.on_decision(decision, pending_request)
         return decision
 

@@ -31,6 +31,9 @@ class EngineConfig:
     max_waiting_requests: int = 1024
     seed: int = 0
     cache_dir: str | None = None
+    #: Recurrent-state slots for a Mamba-hybrid model (three per request);
+    #: ``None`` sizes the pool from the byte budget (``state_cache.split_budget``).
+    num_recurrent_slots: int | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> "EngineConfig":

@@ -39,11 +39,13 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 from ferrox.scheduler.core import Scheduler, SchedulerConfig, ScheduledStep
+from ferrox.scheduler.admission import RECURRENT_SLOTS_PER_REQUEST
 from ferrox.scheduler.planner import RequestRefused
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .loader import ModelFiles, eos_token_ids, load_tokenizer, resolve_model
+from .metrics import EngineMetrics
 from .runner import ModelRunner
 from .sampler import SamplingState
 from .types import CapacitySnapshot, SamplingParams, TokenChunk, Usage
@@ -152,6 +154,7 @@ class _Live:
     cached_tokens: int = 0
     first_token_at: float | None = None
     admitted_at: float | None = None
+    last_token_at: float | None = None
 
 
 class LLMEngine:
@@ -182,6 +185,10 @@ class LLMEngine:
                 max_prefill_tokens=config.max_prefill_tokens,
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=config.enable_prefix_caching,
+                sliding_window=self.runner.sliding_window,
+                num_swa_pages=self.runner.num_swa_pages,
+                recurrent=self.runner.recurrent,
+                num_recurrent_slots=self.runner.num_recurrent_slots,
                 max_waiting=config.max_waiting_requests,
             )
         )
@@ -197,6 +204,7 @@ class LLMEngine:
         self.steps = 0
         self.step_log: list[tuple[str, int, float]] | None = None  # (kind, tokens, seconds) when enabled
         self._snapshot = self._build_snapshot()
+        self.metrics = EngineMetrics.for_engine(self)
         self._thread = threading.Thread(target=self._run, name=f"ferrox-engine-{self.replica_id}", daemon=True)
         if start:
             self._thread.start()
@@ -235,7 +243,11 @@ class LLMEngine:
         if self._error is not None or self._stop:
             raise RuntimeError(f"engine is not running: {self._error!r}")
         prompt = [int(t) for t in prompt_token_ids]
-        self.validate(prompt, params)
+        try:
+            self.validate(prompt, params)
+        except ValueError:
+            self.metrics.request_refused()
+            raise
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         stream = RequestStream(self, request_id)
         sampling = SamplingState.create(params, prompt, self.runner.device)
@@ -244,7 +256,11 @@ class LLMEngine:
             if request_id in self._by_id:
                 raise ValueError(f"request id {request_id!r} is already in use")
             uid = next(self._uids)
-            self.scheduler.add_request(uid, prompt, params.max_tokens)
+            try:
+                self.scheduler.add_request(uid, prompt, params.max_tokens)
+            except ValueError:
+                self.metrics.request_refused()
+                raise
             self._live[uid] = _Live(uid, request_id, stream, params, len(prompt), sampling, detok, time.monotonic())
             self._by_id[request_id] = uid
             self._snapshot = self._build_snapshot()
@@ -266,8 +282,9 @@ class LLMEngine:
             live = self._live.pop(uid)
             del self._by_id[request_id]
             self._snapshot = self._build_snapshot()
-        live.stream._put(self._final(live, [], "", "abort"))
-        log.info("request %s aborted after %d tokens", request_id, live.detok.num_output_tokens)
+        final = self._final(live, [], "", "abort")
+        live.stream._put(final)
+        self._log_finish(live, final, "cancelled")
         return True
 
     # -------------------------------------------------------------- status
@@ -314,8 +331,8 @@ class LLMEngine:
             max_slots=s.planner.slots.capacity,
             kv_tokens_available=available,
             kv_tokens_total=self.kv_pool_tokens,
-            swa_tokens_available=None,
-            recurrent_slots_available=None,
+            swa_tokens_available=self._swa_available(),
+            recurrent_slots_available=self._recurrent_available(),
             waiting_requests=s.planner.num_waiting_new,
             waiting_tokens=s.planner.waiting_tokens,
             running_requests=s.planner.num_running,
@@ -326,12 +343,42 @@ class LLMEngine:
             healthy=self._error is None,
         )
 
+    def _swa_available(self) -> int | None:
+        """Free window-pool tokens less what admitted window requests may still take
+        (their reservation net of what they hold); ``None`` without a window pool."""
+        s = self.scheduler
+        if s.kv.sliding_window is None:
+            return None
+        outstanding = sum(
+            max(reserve - s.kv.window_held(uid), 0) for uid, reserve in s.planner._window_reserve.items()
+        )
+        return s.kv.swa_pages.num_free * self.page_size - outstanding
+
+    def _recurrent_available(self) -> int | None:
+        """Free recurrent slots less three per request still waiting; ``None`` without the pool."""
+        s = self.scheduler
+        if not s.kv.recurrent.num_pages:
+            return None
+        return s.kv.recurrent.num_free - RECURRENT_SLOTS_PER_REQUEST * s.planner.num_waiting_new
+
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless every page, slot and lock is accounted for."""
         with self._lock:
             self.scheduler.check_integrity()
             if set(self._live) != set(self.scheduler._reqs):
                 raise AssertionError("engine and scheduler disagree on live requests")
+
+    def check_idle(self) -> None:
+        """Raise ``AssertionError`` unless no request is live and every page is
+        free or in the prefix cache unlocked, every slot free (tests, after an abort)."""
+        with self._lock:
+            if self._live:
+                raise AssertionError(f"{len(self._live)} request(s) still live")
+            self.scheduler.check_integrity()
+            self.scheduler.kv.check_idle()
+            slots = self.scheduler.planner.slots
+            if slots.available != slots.capacity:
+                raise AssertionError(f"{slots.capacity - slots.available} request slot(s) still held")
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no request is live (tests and benchmarks)."""
@@ -369,16 +416,21 @@ class LLMEngine:
                         step = self.scheduler.schedule()
                         if step is not None:
                             break
+                        self.metrics.idle()
                         self._lock.wait(timeout=0.5)
                     if self._stop:
                         return
                     assert step is not None
                     states = {s.uid: self._live[s.uid].sampling for s in step.seqs if s.samples and s.uid in self._live}
                     now = time.monotonic()
+                    admitted = []
                     for s in step.seqs:
                         if s.admission is not None and s.uid in self._live:
                             self._live[s.uid].cached_tokens = s.admission[1]
                             self._live[s.uid].admitted_at = now
+                            admitted.append((s.admission[0], s.admission[1], now - self._live[s.uid].arrival))
+                step_t0 = time.perf_counter()
+                self.metrics.admitted(admitted)
                 try:
                     out = self.runner.execute(step, states)
                 except Exception as exc:  # the step's requests fail, the replica goes on
@@ -386,6 +438,7 @@ class LLMEngine:
                     self._fail_step(step, exc)
                     continue
                 self._finish_step(step, out.sampled, out.forward_s)
+                self.metrics.step(step, time.perf_counter() - step_t0)
         except BaseException as exc:  # pragma: no cover - the loop itself broke
             log.exception("engine loop died")
             self._error = exc
@@ -408,10 +461,14 @@ class LLMEngine:
                 failed.append(live)
             self._snapshot = self._build_snapshot()
         for live in failed:
-            live.stream._put(self._final(live, [], "", "abort", error=f"forward pass failed: {exc}"))
+            final = self._final(live, [], "", "abort", error=f"forward pass failed: {exc}")
+            live.stream._put(final)
+            self._log_finish(live, final, "error")
 
     def _finish_step(self, step: ScheduledStep, sampled: dict[int, int], forward_s: float) -> None:
         emits: list[tuple[_Live, TokenChunk]] = []
+        ttfts: list[float] = []
+        itls: list[float] = []
         now = time.monotonic()
         with self._lock:
             stopped: list[int] = []
@@ -424,6 +481,10 @@ class LLMEngine:
                 out = live.detok.append([token])
                 if live.first_token_at is None:
                     live.first_token_at = now
+                    ttfts.append(now - live.arrival)
+                else:
+                    itls.append(now - live.last_token_at)
+                live.last_token_at = now
                 if out.finish_reason is not None:
                     stopped.append(s.uid)
                     emits.append((live, self._final(live, out.token_ids, out.text, out.finish_reason.value)))
@@ -443,6 +504,7 @@ class LLMEngine:
             if self.step_log is not None:
                 self.step_log.append((step.kind, step.num_tokens, forward_s))
             self._snapshot = self._build_snapshot()
+        self.metrics.tokens(ttfts, itls)
         for live, chunk in emits:
             live.stream._put(chunk)
             if chunk.finished:
@@ -452,12 +514,18 @@ class LLMEngine:
         usage = Usage(live.prompt_len, live.detok.num_output_tokens, live.cached_tokens)
         return TokenChunk(live.request_id, list(token_ids), text, reason, usage, error, self.replica_id)  # type: ignore[arg-type]
 
-    def _log_finish(self, live: _Live, chunk: TokenChunk) -> None:
+    def _log_finish(self, live: _Live, chunk: TokenChunk, status: str | None = None) -> None:
+        """The request's one structured INFO line, and its end in the metrics.
+        ``status``: ok | cancelled | error (default: error iff the chunk carries one)."""
         now = time.monotonic()
+        status = status or ("error" if chunk.error else "ok")
         ttft = (live.first_token_at - live.arrival) if live.first_token_at else float("nan")
+        queue = (live.admitted_at - live.arrival) if live.admitted_at else float("nan")
+        self.metrics.finished(chunk.finish_reason or "abort", status, now - live.arrival, live.prompt_len,
+                              live.detok.num_output_tokens)
         log.info(
             "request_id=%s replica=%s prompt_tokens=%d cached_tokens=%d completion_tokens=%d "
-            "ttft_s=%.4f e2e_s=%.4f finish_reason=%s",
+            "queue_s=%.4f ttft_s=%.4f e2e_s=%.4f finish_reason=%s status=%s",
             live.request_id, self.replica_id, live.prompt_len, live.cached_tokens,
-            live.detok.num_output_tokens, ttft, now - live.arrival, chunk.finish_reason,
+            live.detok.num_output_tokens, queue, ttft, now - live.arrival, chunk.finish_reason, status,
         )

@@ -395,6 +395,8 @@ def convert_gguf(gguf_path: str | Path, target: str | Path, progress: bool = Tru
             "seconds": round(time.time() - started, 3),
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
+        for path in tmp.iterdir():  # safetensors writes 0600; a shared cache wants readable files
+            os.chmod(path, 0o644)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -37,6 +37,7 @@ from .kv_cache import KVCache
 from .loader import ModelFiles, load_weights_iter
 from .models import get_model_class
 from .sampler import Sampler, SamplingState
+from .state_cache import allocate_caches, build_step_state, pool_spec, scratch_pools, split_budget
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +90,31 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, self.device)
         if config.seed is not None:
             self.sampler.generator.manual_seed(config.seed)
+        # Window / recurrent pools (state_cache.py): only for models that
+        # declare them; the Llama family keeps the single full pool below.
+        self.spec = pool_spec(self.model)
+        self.hybrid = self.spec.hybrid
+        self.sliding_window = self.spec.sliding_window if self.spec.window_layers else None
+        self.recurrent = self.spec.recurrent is not None
+        self.num_swa_pages = 0
+        self.num_recurrent_slots = 0
         self.num_pages = self._size_pool()
-        self.kv = KVCache.allocate(
-            self.model.num_layers,
-            self.num_pages,
-            self.page_size,
-            self.model.num_kv_heads,
-            self.model.head_dim,
-            self.dtype,
-            self.device,
-        )
+        if self.hybrid:
+            self.caches = allocate_caches(
+                self.spec, self.num_pages, self.num_swa_pages, self.num_recurrent_slots,
+                self.page_size, self.dtype, self.device,
+            )
+            self.kv = self.caches.full
+        else:
+            self.kv = KVCache.allocate(
+                self.model.num_layers,
+                self.num_pages,
+                self.page_size,
+                self.model.num_kv_heads,
+                self.model.head_dim,
+                self.dtype,
+                self.device,
+            )
         log.info(
             "runner ready: %s on %s/%s, %d pages of %d tokens (%d KV tokens), weights loaded in %.2fs",
             files.name, self.device, self.dtype, self.num_pages, self.page_size,
@@ -108,7 +124,7 @@ class ModelRunner:
     # -------------------------------------------------------------- sizing
     def bytes_per_page(self) -> int:
         return KVCache.bytes_per_page(
-            self.model.num_layers, self.page_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
+            max(self.spec.full_layers, 1), self.page_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
         )
 
     def _size_pool(self) -> int:
@@ -117,6 +133,12 @@ class ModelRunner:
             budget = self._cuda_kv_budget()
         else:
             budget = self.config.kv_cache_bytes
+        if self.hybrid:
+            pages, self.num_swa_pages, self.num_recurrent_slots = split_budget(
+                int(budget), self.spec, self.page_size, self.dtype, self.config.max_num_seqs,
+                self.config.max_prefill_tokens, getattr(self.config, "num_recurrent_slots", None),
+            )
+            return pages
         pages = int(budget // per_page)
         if pages < 1:
             raise RuntimeError(
@@ -133,13 +155,17 @@ class ModelRunner:
         free_before, total = torch.cuda.mem_get_info(self.device)
         # Measure the activation peak with one dummy forward over a one-page cache.
         n = self.config.max_prefill_tokens
-        scratch = KVCache.allocate(
-            self.model.num_layers, -(-n // self.page_size), self.page_size,
-            self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
-        )
         meta = build_metadata([n], [n], [list(range(-(-n // self.page_size)))], self.page_size, self.device)
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, meta.positions(), scratch, meta)
+        if self.hybrid:
+            scratch, extra = scratch_pools(self.spec, n, self.page_size, self.dtype, self.device)
+            hidden = self.model(ids, meta.positions(), scratch, meta, extra)
+        else:
+            scratch = KVCache.allocate(
+                self.model.num_layers, -(-n // self.page_size), self.page_size,
+                self.model.num_kv_heads, self.model.head_dim, self.dtype, self.device,
+            )
+            hidden = self.model(ids, meta.positions(), scratch, meta)
         self.model.compute_logits(hidden[-min(n, self.config.max_num_seqs):])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
@@ -181,7 +207,11 @@ class ModelRunner:
                 sample_uids.append(s.uid)
         meta = build_metadata(query_lens, seq_lens, tables, self.page_size, self.device)
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta.positions(), self.kv, meta)
+        if self.hybrid:
+            state = build_step_state(seqs, self.spec, self.page_size, self.device)
+            hidden = self.model(input_ids, meta.positions(), self.caches, meta, state)
+        else:
+            hidden = self.model(input_ids, meta.positions(), self.kv, meta)
         sampled: dict[int, int] = {}
         if sample_rows:
             if len(sample_rows) == hidden.shape[0]:

@@ -40,6 +40,7 @@ does it. Also not here: page allocation (``pages.py``) and prefix matching
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass, field, replace
 from typing import Iterable
@@ -128,47 +129,70 @@ class DecodeSet:
     decision here, because concurrency is already bounded by the slot table.
     Batches come out sorted by uid so a replayed trace produces byte-identical
     batches.
+
+    Kept as the decode step at which each request's budget runs out rather
+    than as a count per request, so that a step of the whole set
+    (:meth:`advance`) costs the requests it ends, not the requests it runs:
+    the engine plans under a lock its forward pass waits on.
     """
 
-    __slots__ = ("_running", "_remaining_sum")
+    __slots__ = ("_end", "_ending", "_ticks", "_end_sum", "_uids", "_batch")
 
     def __init__(self) -> None:
-        self._running: dict[int, DecodingRequest] = {}
-        self._remaining_sum = 0
+        #: uid -> the value of ``_ticks`` at which its budget is spent.
+        self._end: dict[int, int] = {}
+        #: tick -> the uids whose budget is spent at that tick.
+        self._ending: dict[int, set[int]] = {}
+        #: Decode steps taken by :meth:`advance`.
+        self._ticks = 0
+        self._end_sum = 0
+        self._uids: list[int] = []  # sorted
+        self._batch: tuple[int, ...] | None = ()
 
     def __len__(self) -> int:
-        return len(self._running)
+        return len(self._end)
 
     def __contains__(self, uid: int) -> bool:
-        return uid in self._running
+        return uid in self._end
 
     def is_empty(self) -> bool:
-        return not self._running
+        return not self._end
 
     @property
     def runnable(self) -> bool:
-        return bool(self._running)
+        return bool(self._end)
 
     def get(self, uid: int) -> DecodingRequest | None:
-        return self._running.get(uid)
+        end = self._end.get(uid)
+        return None if end is None else DecodingRequest(uid, end - self._ticks)
 
     def admit(self, requests: Iterable[DecodingRequest]) -> None:
         """Add newly-prefilled requests (or update existing ones) and drop the finished ones."""
         for request in requests:
-            old = self._running.get(request.uid)
-            if old is not None:
-                self._remaining_sum -= old.remaining
+            self._drop(request.uid)
             if request.remaining > 0:
-                self._running[request.uid] = request
-                self._remaining_sum += request.remaining
-            elif old is not None:
-                del self._running[request.uid]
+                end = self._ticks + request.remaining
+                self._end[request.uid] = end
+                self._ending.setdefault(end, set()).add(request.uid)
+                self._end_sum += end
+                bisect.insort(self._uids, request.uid)
+                self._batch = None
 
     def remove(self, uid: int) -> DecodingRequest | None:
-        request = self._running.pop(uid, None)
-        if request is not None:
-            self._remaining_sum -= request.remaining
-        return request
+        end = self._drop(uid)
+        return None if end is None else DecodingRequest(uid, end - self._ticks)
+
+    def _drop(self, uid: int) -> int | None:
+        end = self._end.pop(uid, None)
+        if end is not None:
+            bucket = self._ending[end]
+            bucket.discard(uid)
+            if not bucket:
+                del self._ending[end]
+            self._end_sum -= end
+            del self._uids[bisect.bisect_left(self._uids, uid)]
+            self._batch = None
+        return end
 
     def inflight_tokens(self, page_size: int) -> int:
         """KV the running set will still consume before it drains.
@@ -177,11 +201,38 @@ class DecodeSet:
         may land in a fresh page, and a page is allocated whole. A budget that
         ignores it admits a prompt that then cannot get its last page.
         """
-        return self._remaining_sum + (page_size - 1) * len(self._running)
+        n = len(self._end)
+        return self._end_sum - n * self._ticks + (page_size - 1) * n
+
+    def uids(self) -> tuple[int, ...]:
+        """The running uids, in uid order."""
+        if self._batch is None:
+            self._batch = tuple(self._uids)
+        return self._batch
 
     def next_batch(self) -> list[DecodingRequest]:
         """This step's decode batch, in uid order."""
-        return [self._running[uid] for uid in sorted(self._running)]
+        ticks = self._ticks
+        return [DecodingRequest(uid, self._end[uid] - ticks) for uid in self.uids()]
+
+    def advance(self) -> tuple[tuple[int, ...], list[int]]:
+        """Decode one token for every running request.
+
+        Returns the batch (uids, uid order) and the uids whose budget this
+        token spent (uid order); those have left the set.
+        """
+        batch = self.uids()
+        self._ticks += 1
+        ended = self._ending.pop(self._ticks, None)
+        if not ended:
+            return batch, []
+        done = sorted(ended)
+        for uid in done:
+            del self._end[uid]
+            del self._uids[bisect.bisect_left(self._uids, uid)]
+        self._end_sum -= self._ticks * len(done)
+        self._batch = None
+        return batch, done
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 from .admission import Geometry, NotAdmitted
-from .kv import KVManager
+from .kv import KVManager, RequestMemory
 from .planner import DecodeStep, IdleStep, PrefillStep, RequestRefused, StepPlanner
 
 
@@ -53,14 +53,17 @@ class SchedulerConfig:
         return Geometry(self.page_size, self.sliding_window if self.num_swa_pages else None, self.recurrent)
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
+class ScheduledSeq(NamedTuple):
     """One sequence of a step.
 
     ``query_tokens`` are computed this step at positions
     ``computed_len .. computed_len + len(query_tokens) - 1``; ``pages`` is
     its full page table (covering every position through the last query
     token); ``samples``: whether its last position's logits are sampled.
+
+    A named tuple rather than a frozen dataclass: as immutable, but built
+    ten times faster, and a decode step builds one per running request while
+    the forward pass waits.
     """
 
     uid: int
@@ -103,6 +106,7 @@ class _Req:
     computed: int = 0
     prefilled: bool = False
     slot: int = -1
+    mem: RequestMemory | None = None
 
 
 class Scheduler:
@@ -184,6 +188,7 @@ class Scheduler:
                     req.cached_len = self.kv.admit(
                         chunk.uid, self._prompt(chunk.uid), chunk.admission.cached_tokens
                     )
+                    req.mem = self.kv.request(chunk.uid)
             for chunk in step.chunks:
                 end = chunk.computed_len + chunk.chunk_len
                 self.kv.allocate(chunk.uid, end)
@@ -205,26 +210,38 @@ class Scheduler:
                     req.prefilled = True
             return ScheduledStep("prefill", tuple(seqs), step.blocked)
         assert isinstance(step, DecodeStep)
-        for d in step.batch:
-            req = self._reqs[d.uid]
+        # The hot path: one sequence per running request, every decode step.
+        reqs, kv, p = self._reqs, self.kv, self.config.page_size
+        append = seqs.append
+        for uid in step.uids:
+            req = reqs[uid]
+            mem = req.mem
             pos = len(req.tokens) - 1
-            self.kv.allocate(d.uid, pos + 1)
-            seqs.append(self._seq(req, req.slot, pos, req.tokens[pos:], samples=True))
+            if pos >= len(mem.pages) * p:  # type: ignore[union-attr]
+                # Full and window pages both end at the same page boundary.
+                kv.allocate(uid, pos + 1)
+            pages, swa_pages, recurrent_slots = mem.tables()  # type: ignore[union-attr]
+            append(
+                ScheduledSeq(
+                    uid, req.slot, pos, (req.tokens[pos],), pages, True, swa_pages, mem.swa_start, recurrent_slots
+                )
+            )
         return ScheduledStep("decode", tuple(seqs), step.blocked)
 
     def _seq(self, req: _Req, slot: int, computed: int, query, samples: bool, admission=None) -> ScheduledSeq:
-        mem = self.kv.request(req.uid)
+        mem = req.mem
         assert mem is not None
+        pages, swa_pages, recurrent_slots = mem.tables()
         return ScheduledSeq(
             uid=req.uid,
             slot=slot,
             computed_len=computed,
             query_tokens=tuple(query),
-            pages=tuple(mem.pages),
+            pages=pages,
             samples=samples,
-            swa_pages=tuple(mem.swa_pages),
+            swa_pages=swa_pages,
             swa_start=mem.swa_start,
-            recurrent_slots=tuple(mem.recurrent_slots),
+            recurrent_slots=recurrent_slots,
             admission=admission,
         )
 

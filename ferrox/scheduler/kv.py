@@ -42,6 +42,18 @@ class RequestMemory:
     swa_pages: list[int] = field(default_factory=list)
     swa_start: int = 0
     recurrent_slots: list[int] = field(default_factory=list)
+    #: ``tables()``'s answer until the next change (a decode step changes a
+    #: request's pages once a page, not once a token).
+    _tables: tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None = field(
+        default=None, repr=False, compare=False
+    )
+
+    def tables(self) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """``(pages, swa_pages, recurrent_slots)`` as tuples, for a :class:`ScheduledSeq`."""
+        tables = self._tables
+        if tables is None:
+            tables = self._tables = (tuple(self.pages), tuple(self.swa_pages), tuple(self.recurrent_slots))
+        return tables
 
 
 class KVManager:
@@ -148,10 +160,12 @@ class KVManager:
         if need > 0:
             self._ensure_free(need)
             mem.pages.extend(self.pages.allocate(need, uid))
+            mem._tables = None
         if self.sliding_window is not None:
             need = -(-upto // p) - mem.swa_start // p - len(mem.swa_pages)
             if need > 0:
                 mem.swa_pages.extend(self.swa_pages.allocate(need, uid))
+                mem._tables = None
 
     def slide(self, uid: int, computed: int) -> None:
         """Give back the window pages that slid out once ``computed`` tokens are done."""
@@ -168,6 +182,7 @@ class KVManager:
             self.swa_pages.free(mem.swa_pages[:drop], mem.uid)
             del mem.swa_pages[:drop]
             mem.swa_start += drop * p
+            mem._tables = None
 
     def _ensure_free(self, need: int) -> None:
         short = need - self.pages.num_free

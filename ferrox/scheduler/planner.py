@@ -107,10 +107,14 @@ class PrefillStep:
 
 @dataclass(frozen=True)
 class DecodeStep:
-    """Decode one token for each of ``batch`` (uid order). ``blocked``: why no
-    prefill ran although prompts were waiting (``None`` if none were)."""
+    """Decode one token for each of ``uids`` (uid order). ``blocked``: why no
+    prefill ran although prompts were waiting (``None`` if none were).
 
-    batch: tuple[DecodingRequest, ...]
+    Uids only, not the seed's per-request :class:`DecodingRequest`: building
+    one object per running request per step was most of a decode step's
+    planning time (:meth:`DecodeSet.next_batch` still gives them)."""
+
+    uids: tuple[int, ...]
     blocked: NotAdmitted | None = None
 
     kind = "decode"
@@ -131,7 +135,8 @@ Step = Union[PrefillStep, DecodeStep, IdleStep]
 @dataclass
 class _Prefilling:
     request: PendingRequest
-    window_reserve: int = 0
+    #: While it is being chunked: its share of :meth:`StepPlanner.inflight_tokens`.
+    reserved: int = 0
 
 
 class StepPlanner:
@@ -181,6 +186,9 @@ class StepPlanner:
         self.max_waiting = max_waiting
         self.decode = DecodeSet()
         self._waiting: deque[_Prefilling] = deque()
+        self._entries: dict[int, _Prefilling] = {}  # the waiting queue, by uid
+        self._num_new = 0  # waiting entries not yet admitted
+        self._chunk_reserved = 0  # sum of the chunked entries' ``reserved``
         self._known: set[int] = set()
         self._slot_of: dict[int, int] = {}
         self._window_reserve: dict[int, int] = {}
@@ -250,7 +258,10 @@ class StepPlanner:
             )
         self._known.add(uid)
         self._output_len[uid] = output_len
-        self._waiting.append(_Prefilling(PendingRequest(uid, prompt_len, output_len)))
+        entry = _Prefilling(PendingRequest(uid, prompt_len, output_len))
+        self._waiting.append(entry)
+        self._entries[uid] = entry
+        self._num_new += 1
         self._waiting_tokens += total
 
     # ------------------------------------------------------------- queries
@@ -262,7 +273,7 @@ class StepPlanner:
     @property
     def num_waiting_new(self) -> int:
         """Prompts not yet admitted."""
-        return sum(1 for w in self._waiting if w.request.chunk is None)
+        return self._num_new
 
     @property
     def waiting_tokens(self) -> int:
@@ -282,13 +293,7 @@ class StepPlanner:
 
     def inflight_tokens(self) -> int:
         """KV tokens the admitted requests may still consume (see module docstring)."""
-        p = self.geometry.page_size
-        total = self.decode.inflight_tokens(p)
-        for w in self._waiting:
-            r = w.request
-            if r.chunk is not None:
-                total += (r.prompt_len - r.chunk.computed_len) + r.output_len + (p - 1)
-        return total
+        return self.decode.inflight_tokens(self.geometry.page_size) + self._chunk_reserved
 
     def window_reserved(self, exclude: int | None = None) -> int:
         """Window-pool tokens reserved by admitted requests (optionally but one)."""
@@ -325,11 +330,9 @@ class StepPlanner:
             return step
         blocked = step
         if self.decode.runnable:
-            batch = tuple(self.decode.next_batch())
-            self.decode.admit(DecodingRequest(r.uid, r.remaining - 1) for r in batch)
-            for r in batch:
-                if r.remaining - 1 == 0:
-                    self._release(r.uid)
+            batch, spent = self.decode.advance()
+            for uid in spent:
+                self._release(uid)
             return DecodeStep(batch, blocked)
         return IdleStep(blocked)
 
@@ -338,26 +341,32 @@ class StepPlanner:
             return None
         g = self.geometry
         p = g.page_size
+        windowed = g.sliding_window is not None
         cap = replace(capacity, request_slots=self.slots.available)
-        inflight = self.inflight_tokens()
         swa_free = capacity.swa_tokens
-        if g.sliding_window is not None:
-            # Future window needs of admitted requests, net of what they hold.
-            outstanding = {
-                uid: max(res - window_held(uid), 0) for uid, res in self._window_reserve.items()
-            }
-            swa_outstanding = sum(outstanding.values())
-        pass_ = PrefillPass(self.max_prefill_tokens, inflight, g)
+        # Future window needs of admitted requests, net of what they hold:
+        # measured (one call per running request) only once a window
+        # decision needs it.
+        outstanding: dict[int, int] | None = None
+        swa_outstanding = 0
+        pass_ = PrefillPass(self.max_prefill_tokens, self.inflight_tokens(), g)
         chunks: list[AdmittedChunk] = []
         blocked: NotAdmitted | None = None
-        done: list[_Prefilling] = []
         new_reserve = 0
         for entry in self._waiting:
             request = entry.request
             if request.chunk is None:
+                if cap.request_slots == 0:
+                    # The seed's first and cheapest answer, given before the
+                    # prefix match it would make pointless.
+                    blocked = NotAdmitted.NO_REQUEST_SLOT
+                    break
                 hit = match(request.uid) if request.prompt_len > p else NO_HIT
                 cached = hit.cached_len
-                if g.sliding_window is not None:
+                if windowed:
+                    if outstanding is None:
+                        outstanding = self._window_outstanding(window_held)
+                        swa_outstanding = sum(outstanding.values())
                     swa_avail = swa_free - swa_outstanding - new_reserve
                     cap = replace(cap, swa_tokens=max(swa_avail, 0))
                 # The prompt's own matched prefix is in the measured kv_tokens
@@ -365,20 +374,19 @@ class StepPlanner:
                 # for the prompt itself.
                 seat = replace(cap, kv_tokens=cap.kv_tokens - hit.evictable_len) if hit.evictable_len else cap
                 refusal = pass_.check_admission(request, cached, seat)
-                if refusal is None and g.sliding_window is not None:
+                if refusal is None and windowed:
                     reserve = self.window_reserve(request.prompt_len, request.output_len)
                     if reserve > swa_avail - pass_.reserved_swa:
                         refusal = NotAdmitted.WINDOW_BUDGET
                 if refusal is not None:
                     blocked = refusal
                     break
-                if g.sliding_window is not None:
-                    # Its own chunk comes out of its own reservation.
-                    cap = replace(cap, swa_tokens=max(swa_free - swa_outstanding - new_reserve, 0))
                 slot = self.slots.allocate()
                 if slot is None:  # pragma: no cover - check_admission saw the same table
                     blocked = NotAdmitted.NO_REQUEST_SLOT
                     break
+                # A window prompt's own first chunk comes out of the
+                # reservation just checked, which ``cap`` still holds.
                 result = pass_.take_chunk(request, cached, slot, cap)
                 if isinstance(result, NotAdmitted):
                     self.slots.free(slot)
@@ -394,12 +402,16 @@ class StepPlanner:
                 )
                 self._slot_of[request.uid] = slot
                 self._waiting_tokens -= request.prompt_len + request.output_len
-                if g.sliding_window is not None:
+                self._num_new -= 1
+                if windowed:
                     reserve = self.window_reserve(request.prompt_len, request.output_len)
                     self._window_reserve[request.uid] = reserve
                     new_reserve += reserve
             else:
-                if g.sliding_window is not None:
+                if windowed:
+                    if outstanding is None:
+                        outstanding = self._window_outstanding(window_held)
+                        swa_outstanding = sum(outstanding.values())
                     own = outstanding.get(request.uid, 0)
                     cap = replace(cap, swa_tokens=max(swa_free - (swa_outstanding - own) - new_reserve, 0))
                 result = pass_.take_chunk(request, 0, request.chunk.slot, cap)
@@ -407,28 +419,31 @@ class StepPlanner:
                     blocked = result
                     break
             chunks.append(result)
-            done.append(entry)
             if pass_.token_budget == 0:
                 break
         if not chunks:
             return blocked
-        if blocked is None and len(done) < len(self._waiting):
+        if blocked is None and len(chunks) < len(self._waiting):
             blocked = NotAdmitted.BUDGET_SPENT
         self._advance(chunks)
         return PrefillStep(tuple(chunks), blocked)
 
+    def _window_outstanding(self, window_held: Callable[[int], int]) -> dict[int, int]:
+        return {uid: max(res - window_held(uid), 0) for uid, res in self._window_reserve.items()}
+
     def _advance(self, chunks: list[AdmittedChunk]) -> None:
-        by_uid = {c.uid: c for c in chunks}
+        """Move the queue past a prefill step. The pass took its chunks from
+        the head of the queue, in order, so only that many entries are
+        touched; the ones still being chunked go back to the head."""
         p = self.geometry.page_size
         window = self.geometry.sliding_window
-        kept: deque[_Prefilling] = deque()
+        kept: list[_Prefilling] = []
         finished: list[DecodingRequest] = []
-        for entry in self._waiting:
-            chunk = by_uid.get(entry.request.uid)
-            if chunk is None:
-                kept.append(entry)
-                continue
+        for chunk in chunks:
+            entry = self._waiting.popleft()
             request = entry.request
+            assert request.uid == chunk.uid
+            self._chunk_reserved -= entry.reserved
             end = chunk.computed_len + chunk.chunk_len
             if chunk.chunked:
                 old = request.chunk
@@ -444,14 +459,18 @@ class StepPlanner:
                     locked_prefix_len=old.locked_prefix_len if old else chunk.computed_len,
                 )
                 entry.request = replace(request, chunk=state)
+                # The rest of the prompt, the whole output, and a page.
+                entry.reserved = (request.prompt_len - end) + request.output_len + (p - 1)
+                self._chunk_reserved += entry.reserved
                 kept.append(entry)
             else:
+                del self._entries[request.uid]
                 remaining = request.output_len - 1
                 if remaining > 0:
                     finished.append(DecodingRequest(request.uid, remaining))
                 else:
                     self._release(request.uid)
-        self._waiting = kept
+        self._waiting.extendleft(reversed(kept))
         self.decode.admit(finished)
 
     # ------------------------------------------------------------ endings
@@ -470,10 +489,9 @@ class StepPlanner:
         if uid not in self._known:
             return False
         self.decode.remove(uid)
-        for entry in self._waiting:
-            if entry.request.uid == uid:
-                self._remove_waiting(entry)
-                break
+        entry = self._entries.pop(uid, None)
+        if entry is not None:
+            self._remove_waiting(entry)
         self._release(uid)
         return True
 
@@ -484,14 +502,14 @@ class StepPlanner:
 
     def _remove_waiting(self, entry: _Prefilling) -> None:
         self._waiting.remove(entry)
+        self._chunk_reserved -= entry.reserved
         if entry.request.chunk is None:
+            self._num_new -= 1
             self._waiting_tokens -= entry.request.prompt_len + entry.request.output_len
 
     def waiting_uids(self) -> list[int]:
         return [w.request.uid for w in self._waiting]
 
     def pending(self, uid: int) -> PendingRequest | None:
-        for w in self._waiting:
-            if w.request.uid == uid:
-                return w.request
-        return None
+        entry = self._entries.get(uid)
+        return None if entry is None else entry.request

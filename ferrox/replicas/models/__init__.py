@@ -12,20 +12,35 @@ architecture is an error, not a best effort).
 
 from __future__ import annotations
 
+from ferrox.replicas.models.bamba import BambaForCausalLM
 from ferrox.replicas.models.llama import LlamaForCausalLM
+from ferrox.replicas.models.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["ARCHITECTURES", "MODEL_TYPES", "get_model_class", "LlamaForCausalLM"]
+__all__ = [
+    "ARCHITECTURES",
+    "MODEL_TYPES",
+    "get_model_class",
+    "LlamaForCausalLM",
+    "Qwen3ForCausalLM",
+    "BambaForCausalLM",
+]
 
 ARCHITECTURES: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    # Interleaved sliding-window / full layers on two KV pools.
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mamba2 / attention hybrid, state in the recurrent pool.
+    "BambaForCausalLM": BambaForCausalLM,
 }
 
 MODEL_TYPES: dict[str, type] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "bamba": BambaForCausalLM,
 }
 
 

@@ -11,9 +11,13 @@ Why it looks the way it does: on a CPU a 135M-parameter decode step is a
 few dozen small matmuls, so Python and dispatch overhead matter as much as
 FLOPs. q/k/v are one fused ``[Hq*D + 2*Hkv*D, H]`` matmul and gate/up one
 ``[2*I, H]`` matmul (``load_weights`` still takes the HF names and copies
-each into its rows); layers are plain parameter holders whose ``run`` is
-called directly, not through ``nn.Module.__call__``; RoPE's cos/sin are
-computed once per forward pass and shared by every layer.
+each into its rows); layers are plain parameter holders and the whole
+stack runs in one loop in :meth:`LlamaForCausalLM.forward`, with no
+``nn.Module.__call__`` per layer; the residual adds ride on the output
+matmuls (``addmm`` with ``beta=1``); RoPE's cos/sin tables are computed
+once per forward pass and shared by every layer. On the 2-core CPU box
+a SmolLM2-135M decode step in float32 is within a few milliseconds of
+the bare cost of its 121 matmuls (about 540 MB of weights read per step).
 
 Formulas, each as transformers implements it:
 
