@@ -32,6 +32,24 @@ def _encode(tokenizer, messages) -> list[int]:
     return [int(t) for t in ids]
 
 
+def workload_kv_bytes(hf_config, prompts: list[list[int]], max_tokens: int, page_size: int = 16) -> int:
+    """A CPU KV budget (bytes) that seats every prompt of the workload at once.
+
+    Concurrency N means N requests decoding together, as transformers' batch
+    does: each reserves its prompt plus its whole output budget, rounded up
+    to pages, plus one page of slack (the scheduler's per-request margin).
+    Counted as full attention in fp32 (``2 * layers * kv_heads * head_dim * 4``
+    bytes per token), an overestimate for window and recurrent layers. At
+    least 256 MiB.
+    """
+    heads = int(hf_config.num_attention_heads)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads)
+    per_token = 2 * int(hf_config.num_hidden_layers) * kv_heads * head_dim * 4
+    tokens = sum(-(-(len(p) + max_tokens) // page_size) * page_size + page_size for p in prompts)
+    return max(256 << 20, tokens * per_token)
+
+
 def write_tiny_model(kind: str, directory) -> str:
     """Write a tiny random-weight model of a window or hybrid family as a Hugging Face
     directory (safetensors + the embedded SmolLM2 tokenizer); returns its path.
@@ -76,12 +94,16 @@ def run_offline(ns: argparse.Namespace) -> int:
     from ferrox.replicas.engine import LLMEngine
     from ferrox.replicas.types import SamplingParams
 
+    from ferrox.replicas.loader import load_tokenizer, resolve_model
+
     threads = ns.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     rss0 = _rss_mb()
+    files = resolve_model(ns.model)
+    prompts = [_encode(load_tokenizer(files), m) for m in workload(ns.prompts)]
     config = EngineConfig(model=ns.model, device=ns.device, torch_threads=threads,
                           max_num_seqs=max(64, ns.prompts), max_prefill_tokens=2048,
-                          kv_cache_bytes=256 << 20)
+                          kv_cache_bytes=workload_kv_bytes(files.config, prompts, ns.max_tokens))
     engine = LLMEngine(config)
     # Peak use of the window and recurrent pools, read before every forward pass.
     kv = engine.scheduler.kv
@@ -94,7 +116,6 @@ def run_offline(ns: argparse.Namespace) -> int:
         return execute(step, states)
 
     engine.runner.execute = _tracking
-    prompts = [_encode(engine.tokenizer, m) for m in workload(ns.prompts)]
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
     weights_mb = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()) / 2**20
     kv_mb = engine.runner.num_pages * engine.runner.bytes_per_page() / 2**20

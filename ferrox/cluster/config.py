@@ -38,6 +38,9 @@ class EngineArgs(_Strict):
     enable_prefix_caching: bool = True
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: the replica's CPUs")
     max_waiting_requests: int = Field(1024, ge=1, description="requests queued in one replica before it refuses")
+    num_recurrent_slots: int | None = Field(
+        None, ge=3, description="recurrent-state slots (hybrid models; 3 per request); null: sized from the budget"
+    )
     seed: int = 0
 
 

@@ -42,7 +42,7 @@ ROUTER_DECISIONS = MetricSpec(
 ROUTER_SNAPSHOT_AGE = MetricSpec(
     "ferrox_router_snapshot_age_seconds", "histogram",
     "Age of the chosen replica's capacity snapshot when the router decided (seconds).",
-    ("model", "replica", "outcome"), SNAPSHOT_AGE_BUCKETS_S)
+    ("model", "replica"), SNAPSHOT_AGE_BUCKETS_S)
 HTTP_REQUESTS = MetricSpec(
     "ferrox_http_requests", "counter",
     "HTTP responses of the ingress, by endpoint and status code.",
@@ -90,10 +90,9 @@ class RouterMetrics:
                     self._model = snap.model
                 if c.replica_id == top:
                     age = c.age_s
-            tags = {"model": self._model, "replica": top, "outcome": decision.outcome}
-            self._decisions.inc(1, tags)
+            self._decisions.inc(1, {"model": self._model, "replica": top, "outcome": decision.outcome})
             if age is not None:
-                self._age.observe(max(0.0, float(age)), tags)
+                self._age.observe(max(0.0, float(age)), {"model": self._model, "replica": top})
         except Exception:
             log.warning("recording router metrics failed; disabling them", exc_info=True)
             self.enabled = False

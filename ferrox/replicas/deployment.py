@@ -43,6 +43,8 @@ class FerroxReplica:
             replica_id = ctx.replica_id.unique_id
         except Exception:  # outside Serve (tests constructing it directly)
             replica_id = None
+        if replica_id is not None:
+            _log_through_serve()
         if config.torch_threads is None:
             # A replica's share of the machine, so replicas do not oversubscribe cores.
             config.torch_threads = max(1, int(os.environ.get("FERROX_TORCH_THREADS", "0")) or _cpu_share())
@@ -101,6 +103,20 @@ class FerroxReplica:
             self.engine.shutdown()
         except Exception:
             pass
+
+
+def _log_through_serve() -> None:
+    """Send the ``ferrox`` loggers' records -- the engine's structured line per
+    request, at INFO -- to this replica's Serve log, with Serve's handlers and
+    level. Serve configures only its own ``ray.serve`` logger; without this,
+    a Ray worker's root logger drops INFO."""
+    serve_logger = logging.getLogger("ray.serve")
+    if not serve_logger.handlers:
+        return
+    ferrox_logger = logging.getLogger("ferrox")
+    ferrox_logger.handlers = list(serve_logger.handlers)
+    ferrox_logger.setLevel(serve_logger.level or logging.INFO)
+    ferrox_logger.propagate = False
 
 
 def _cpu_share() -> int:

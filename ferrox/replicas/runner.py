@@ -12,7 +12,12 @@ Decided here:
   device leaves after the weights and a measured activation peak (a dummy
   forward of ``max_prefill_tokens`` tokens); on CPU it is
   ``kv_cache_bytes``. The page count is that budget over
-  :meth:`KVCache.bytes_per_page`, never a guess.
+  :meth:`KVCache.bytes_per_page`, never a guess. A model that declares a
+  window or recurrent pool (``pool_spec()``: the Qwen3 window family, the
+  Bamba hybrid) gets that budget split by ``state_cache.split_budget`` and
+  runs with ``ModelCaches`` plus a per-step ``StepState`` (window page
+  tables from ``swa_start``, live recurrent slots); the Llama family's path
+  is unchanged.
 - Threads: on CPU the runner sets torch's intra-op thread count to the
   configured ``torch_threads`` so several replicas on one machine do not
   oversubscribe its cores.

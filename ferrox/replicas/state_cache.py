@@ -45,6 +45,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrox.scheduler.admission import RECURRENT_SLOTS_PER_REQUEST
+
 from .attention import AttentionMetadata, _to_device, build_metadata
 from .kv_cache import KVCache
 
@@ -65,7 +67,6 @@ __all__ = [
 #: The most of the byte budget the window pool, or the recurrent pool, may take.
 MAX_SIDE_POOL_FRACTION = 0.5
 
-RECURRENT_SLOTS_PER_REQUEST = 3  # the scheduler's constant; kept equal by a test
 
 
 @dataclass(frozen=True)

@@ -220,7 +220,8 @@ class Scheduler:
             if pos >= len(mem.pages) * p:  # type: ignore[union-attr]
                 # Full and window pages both end at the same page boundary.
                 kv.allocate(uid, pos + 1)
-            pages, swa_pages, recurrent_slots = mem.tables()  # type: ignore[union-attr]
+            tables = mem._tables or mem.tables()  # type: ignore[union-attr]
+            pages, swa_pages, recurrent_slots = tables
             append(
                 ScheduledSeq(
                     uid, req.slot, pos, (req.tokens[pos],), pages, True, swa_pages, mem.swa_start, recurrent_slots
@@ -263,29 +264,36 @@ class Scheduler:
         token against the request's budget when it planned the step, so
         going on would leave the request live here and forgotten there.
         """
-        missing = [
-            seq.uid for seq in step.seqs if seq.samples and seq.uid in self._reqs and seq.uid not in sampled
-        ]
+        reqs = self._reqs
+        missing = [seq.uid for seq in step.seqs if seq.samples and seq.uid not in sampled and seq.uid in reqs]
         if missing:
             raise ValueError(f"no sampled token for request(s) {missing} of this step")
-        stopped = set(stopped)
+        order = list(stopped)
+        stopped = set(order)
         released: list[int] = []
+        kv = self.kv
+        window = kv.sliding_window
+        # A request's oldest window page can go once it is a window and a
+        # page behind what has been computed (kv.slide's rule).
+        slide_from = None if window is None else window + 2 * self.config.page_size
         for seq in step.seqs:
-            req = self._reqs.get(seq.uid)
+            uid = seq.uid
+            req = reqs.get(uid)
             if req is None:
                 continue
-            req.computed = seq.seq_len
-            if self.kv.sliding_window is not None:
-                self.kv.slide(seq.uid, seq.seq_len)
+            computed = seq.computed_len + len(seq.query_tokens)
+            req.computed = computed
+            if slide_from is not None and computed - req.mem.swa_start >= slide_from:  # type: ignore[union-attr]
+                kv.slide(uid, computed)
             if seq.samples:
-                req.tokens.append(int(sampled[seq.uid]))
+                req.tokens.append(int(sampled[uid]))
                 req.outputs += 1
-            if seq.uid in stopped or req.outputs >= req.max_tokens:
+            if uid in stopped or req.outputs >= req.max_tokens:
                 self._finish(req)
-                released.append(seq.uid)
-        for uid in stopped:
-            if uid in self._reqs and uid not in released:
-                self._finish(self._reqs[uid])
+                released.append(uid)
+        for uid in order:
+            if uid in reqs and uid not in released:
+                self._finish(reqs[uid])
                 released.append(uid)
         return released
 

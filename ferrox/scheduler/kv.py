@@ -5,7 +5,8 @@ Decided here: one :class:`KVManager` owns, as ids only,
   cache (:class:`RadixCache`) over it;
 - the window page pool, for sliding-window layers, from which a request
   holds only the pages its window still needs and gives back the pages that
-  slid out (the seed's self-reclaim), before it takes new ones;
+  slid out (the seed's self-reclaim) once a step has computed past them --
+  never before, since the step's first query still reads them;
 - the recurrent-state slot pool, three slots per request.
 
 It measures the :class:`~ferrox.scheduler.admission.Capacity` the planner

@@ -13,6 +13,11 @@ Decided here:
   request uses them; only unlocked **leaves** are evictable, least recently
   used first (a logical clock, not wall time, so replays are deterministic).
   Evicting a leaf may expose its parent as the next leaf.
+- Eviction and the digest cost what they return, not the size of the tree:
+  a full tree holds a node per page of the pool, and both run under the
+  engine's lock. Evictable leaves wait in a heap that is pushed to whenever
+  a node becomes one (stale entries are skipped when popped), and nodes are
+  kept in the order of their last use.
 - Each node carries a chained hash of its path (:func:`page_hashes`), so the
   replica can tell the router which prefixes it holds without sending token
   ids.
@@ -30,7 +35,9 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Sequence
 
 _ROOT_HASH = 0
@@ -107,6 +114,11 @@ class RadixCache:
         self._clock = 0
         self._num_pages = 0
         self._evictable_pages = 0
+        #: (last_access, -depth, page, node) of unlocked leaves, as pushed; an
+        #: entry whose node was since locked, grown, touched or evicted is stale.
+        self._leaf_heap: list[tuple[int, int, int, RadixNode]] = []
+        #: Every node, least recently used first; within one use, deepest first.
+        self._recency: OrderedDict[RadixNode, None] = OrderedDict()
 
     # ---------------------------------------------------------------- queries
     @property
@@ -138,18 +150,44 @@ class RadixCache:
         node = self.root
         pages: list[int] = []
         evictable = 0
-        now = self._tick() if touch else 0
+        path: list[RadixNode] = []
         for i in range(max_pages):
             child = node.children.get(tuple(token_ids[i * p : (i + 1) * p]))
             if child is None:
                 break
             node = child
+            path.append(child)
             pages.append(child.page)
             if child.lock_ref == 0:
                 evictable += 1
-            if touch:
-                child.last_access = now
+        if touch:
+            self._touch(path)
         return PrefixMatch(len(pages) * p, tuple(pages), node, evictable * p)
+
+    def _touch(self, path: list[RadixNode]) -> None:
+        """Mark a root-to-node path used now."""
+        now = self._tick()
+        recency = self._recency
+        for node in reversed(path):
+            node.last_access = now
+            recency[node] = None
+            recency.move_to_end(node)
+        if path:
+            self._offer(path[-1])
+
+    def _offer(self, node: RadixNode) -> None:
+        """Queue ``node`` for eviction if it is an unlocked leaf."""
+        if node.lock_ref == 0 and not node.children and node is not self.root:
+            heap = self._leaf_heap
+            heapq.heappush(heap, (node.last_access, -node.depth, node.page, node))
+            if len(heap) > 2 * self._num_pages + 64:
+                # Mostly stale: rebuild in place (callers may hold the list).
+                heap[:] = [
+                    (n.last_access, -n.depth, n.page, n)
+                    for n in self._recency
+                    if n.lock_ref == 0 and not n.children
+                ]
+                heapq.heapify(heap)
 
     # ------------------------------------------------------------- locking
     def lock(self, node: RadixNode) -> int:
@@ -174,6 +212,7 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable_pages += 1
                 added += 1
+                self._offer(node)
             node = node.parent  # type: ignore[assignment]
         return added * self.page_size
 
@@ -193,7 +232,7 @@ class RadixCache:
         node = self.root
         adopted: list[int] = []
         duplicates: list[int] = []
-        now = self._tick()
+        path: list[RadixNode] = []
         for i in range(n):
             key = tuple(token_ids[i * p : (i + 1) * p])
             child = node.children.get(key)
@@ -205,8 +244,9 @@ class RadixCache:
                 adopted.append(pages[i])
             elif child.page != pages[i]:
                 duplicates.append(pages[i])
-            child.last_access = now
+            path.append(child)
             node = child
+        self._touch(path)
         return node, adopted, duplicates
 
     # -------------------------------------------------------------- eviction
@@ -215,19 +255,20 @@ class RadixCache:
         first. Returns the evicted page ids (the caller frees them)."""
         if num_pages <= 0:
             return []
-        heap = [n for n in self._iter_nodes() if not n.children and n.lock_ref == 0]
-        heapq.heapify(heap)
+        heap = self._leaf_heap
         evicted: list[int] = []
         while heap and len(evicted) < num_pages:
-            leaf = heapq.heappop(heap)
+            last_access, _, _, leaf = heapq.heappop(heap)
             parent = leaf.parent
-            assert parent is not None
+            if parent is None or leaf.children or leaf.lock_ref or leaf.last_access != last_access:
+                continue  # stale: evicted, grown, locked or touched since it was pushed
             del parent.children[leaf.key]
+            del self._recency[leaf]
+            leaf.parent = None
             self._num_pages -= 1
             self._evictable_pages -= 1
             evicted.append(leaf.page)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                heapq.heappush(heap, parent)
+            self._offer(parent)
         return evicted
 
     def _iter_nodes(self):
@@ -241,9 +282,9 @@ class RadixCache:
         return [n.page for n in self._iter_nodes()]
 
     def digest(self, limit: int = 4096) -> list[int]:
-        """Path hashes of cached pages, most recently used first, at most ``limit``."""
-        nodes = sorted(self._iter_nodes(), key=lambda n: (-n.last_access, n.depth, n.page))
-        return [n.hash for n in nodes[:limit]]
+        """Path hashes of cached pages, most recently used first (shallower
+        first within one use), at most ``limit``."""
+        return [n.hash for n in islice(reversed(self._recency), limit)]
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` if the counters disagree with the tree."""
@@ -260,3 +301,16 @@ class RadixCache:
                 raise AssertionError("a child is locked more often than its parent")
         if len({n.page for n in nodes}) != len(nodes):
             raise AssertionError("a page appears twice in the tree")
+        if set(self._recency) != set(nodes):
+            raise AssertionError("the recency order and the tree hold different nodes")
+        order = [(n.last_access, -n.depth) for n in self._recency]
+        if order != sorted(order) or len(set(order)) != len(order):
+            raise AssertionError("the recency order is not the order of last use")
+        queued = {
+            id(n)
+            for last_access, _, _, n in self._leaf_heap
+            if n.parent is not None and not n.children and n.lock_ref == 0 and n.last_access == last_access
+        }
+        missing = [n.page for n in nodes if n.lock_ref == 0 and not n.children and id(n) not in queued]
+        if missing:
+            raise AssertionError(f"evictable leaves missing from the eviction heap: pages {missing[:16]}")

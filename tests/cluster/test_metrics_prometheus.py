@@ -4,8 +4,8 @@ A local Ray cluster exports its metrics on a known port; Debian's
 ``prometheus`` (started here, on a free loopback port, with the scrape job
 of deploy/prometheus.yml pointed at that port through a service-discovery
 file like the one Ray's head writes) scrapes it every second. One replica
-of the embedded SmolLM2 with two request slots serves a known load: one
-warm-up completion, then five at once, each of exactly 8 tokens
+of the embedded SmolLM2 with two request slots serves a known load: two
+warm-up completions, then five at once, each of exactly 8 tokens
 (``ignore_eos``), all with one prompt so the later ones hit the prefix
 cache and the full replica refuses admissions for lack of a slot.
 
@@ -173,11 +173,13 @@ def traffic(stack):
     """The load, and what the clients saw: replica id and the usage of each completion."""
     prom, url = stack
     replica = httpx.get(f"{url}/v1/capacity", timeout=30).json()[0]["replica_id"]
+    # Two warm-ups, so that every series the burst adds to exists in
+    # Prometheus before it (rates over a window holding the burst then see
+    # it): the second finds the first's prompt pages cached (prefix_hit).
     replies = [_complete(url)]
-    # Every series exists in Prometheus before the burst, so rates over a
-    # window that holds the burst see it.
-    _until(lambda: prom.value("sum(ray_ferrox_requests_total)") == 1, 60, "the warm-up request in Prometheus")
-    _until(lambda: prom.query("ray_ferrox_router_snapshot_age_seconds_count"), 30, "the router's first decision")
+    _until(lambda: prom.value("sum(ray_ferrox_requests_total)") == 1, 60, "the first warm-up in Prometheus")
+    replies.append(_complete(url))
+    _until(lambda: prom.value("sum(ray_ferrox_requests_total)") == 2, 60, "the second warm-up in Prometheus")
     with ThreadPoolExecutor(BURST) as pool:
         replies += list(pool.map(lambda _: _complete(url), range(BURST)))
     n = len(replies)
@@ -194,6 +196,7 @@ def traffic(stack):
         "prompt_tokens": sum(r["usage"]["prompt_tokens"] for r in replies),
         "cached_tokens": sum(r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies),
         "completion_tokens": sum(r["usage"]["completion_tokens"] for r in replies),
+        "ids": {r["id"]: r["usage"] for r in replies},
     }
 
 
@@ -283,6 +286,11 @@ def test_every_series_is_tagged_with_the_model_and_its_replica(stack, traffic):
             assert m["replica"] == traffic["replica"], m
 
 
+def _promql_regex(value: str) -> str:
+    """``value`` as a regex matching only itself, inside a PromQL string (as Grafana escapes it)."""
+    return re.escape(value).replace("\\", "\\\\")
+
+
 def _dashboard_queries() -> list[tuple[str, str]]:
     board = json.loads(DASHBOARD.read_text())
     out = []
@@ -295,7 +303,7 @@ def _dashboard_queries() -> list[tuple[str, str]]:
 
 def test_every_dashboard_query_returns_data(stack, traffic):
     prom, _ = stack
-    model, replica = re.escape(MODEL), re.escape(traffic["replica"])
+    model, replica = _promql_regex(MODEL), _promql_regex(traffic["replica"])
     empty, not_finite = [], []
     queries = _dashboard_queries()
     for title, expr in queries:
@@ -320,6 +328,28 @@ def test_the_dashboard_variables_list_the_model_and_the_replica(stack, traffic):
             continue
         m = re.fullmatch(r"label_values\((.+), (\w+)\)", v["definition"])
         assert m, v["definition"]
-        selector = m.group(1).replace("$model", re.escape(MODEL))
+        selector = m.group(1).replace("$model", _promql_regex(MODEL))
         found[v["name"]] = {s["metric"][m.group(2)] for s in prom.query(selector)}
     assert found == {"model": {MODEL}, "replica": {traffic["replica"]}}
+
+
+def test_each_request_leaves_one_structured_line_in_its_replicas_serve_log(stack, traffic):
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    [path] = logs.glob(f"replica_ferrox_FerroxReplica_{traffic['replica']}*.log")
+
+    def lines():
+        found = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in path.read_text().splitlines()
+                 if "request_id=" in line]
+        return found if len(found) >= traffic["requests"] else None
+    found = _until(lines, 30, f"{traffic['requests']} request lines in {path}")
+    assert {f["request_id"] for f in found} == set(traffic["ids"])
+    assert len(found) == traffic["requests"]
+    for f in found:
+        usage = traffic["ids"][f["request_id"]]
+        assert (f["replica"], f["finish_reason"], f["status"]) == (traffic["replica"], "length", "ok")
+        assert int(f["prompt_tokens"]) == usage["prompt_tokens"]
+        assert int(f["cached_tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
+        assert int(f["completion_tokens"]) == MAX_TOKENS
+        assert 0 <= float(f["queue_s"]) <= float(f["ttft_s"]) <= float(f["e2e_s"])

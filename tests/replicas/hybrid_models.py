@@ -122,7 +122,6 @@ class PoolDriver:
             num_recurrent_slots=num_slots if self.spec.recurrent else 0,
             enable_prefix_caching=False,
         )
-        # Scatter the free lists: take and give back pages in a shuffled order.
         self.caches = allocate_caches(
             self.spec, num_pages, max(num_swa_pages, 1), max(num_slots, 1), page_size, torch.float32, "cpu"
         )

@@ -72,9 +72,7 @@ def test_a_reused_slot_starts_from_zero_state(pair):
     slots = list(driver.kv.request(driver.uids["first"]).recurrent_slots)
     driver.release("first")
     _, reused = _run(driver, _prompt(17, 6), [17], decodes=5, name="second")
-    assert list(driver.kv.request(driver.uids["second"]).recurrent_slots) == slots[::-1] or set(
-        driver.kv.request(driver.uids["second"]).recurrent_slots
-    ) == set(slots)
+    assert set(driver.kv.request(driver.uids["second"]).recurrent_slots) == set(slots)  # the same three slots
     _, fresh = _run(PoolDriver(ours, page_size=4), _prompt(17, 6), [17], decodes=5)
     assert (reused - fresh).abs().max().item() <= 1e-5
 

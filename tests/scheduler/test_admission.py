@@ -301,3 +301,32 @@ def test_stopping_beats_running_out_of_budget():
     assert finish_reason(False, False, False) is None
     assert FinishReason.STOP.as_str() == "stop"
     assert FinishReason.LENGTH.as_str() == "length"
+
+
+# Beyond the seed: the decode set's whole-set step, which the planner uses.
+
+
+def test_advancing_the_decode_set_spends_one_token_of_every_budget():
+    decode = DecodeSet()
+    decode.admit([DecodingRequest(9, 1), DecodingRequest(4, 3), DecodingRequest(6, 1)])
+    assert decode.advance() == ((4, 6, 9), [6, 9]), "the batch, then who it finished, both in uid order"
+    assert decode.next_batch() == [DecodingRequest(4, 2)]
+    assert decode.inflight_tokens(16) == 2 + 15
+    decode.admit([DecodingRequest(2, 2)])
+    assert decode.advance() == ((2, 4), [])
+    assert decode.next_batch() == [DecodingRequest(2, 1), DecodingRequest(4, 1)]
+    assert decode.remove(4) == DecodingRequest(4, 1)
+    assert decode.advance() == ((2,), [2])
+    assert decode.is_empty() and decode.inflight_tokens(16) == 0
+    assert decode.advance() == ((), [])
+
+
+def test_a_readmitted_request_ends_on_its_new_budget():
+    decode = DecodeSet()
+    decode.admit([DecodingRequest(1, 1)])
+    decode.admit([DecodingRequest(1, 3)])
+    assert decode.advance() == ((1,), [])
+    assert decode.get(1) == DecodingRequest(1, 2)
+    assert decode.advance() == ((1,), [])
+    assert decode.advance() == ((1,), [1])
+    assert 1 not in decode

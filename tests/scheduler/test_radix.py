@@ -6,6 +6,8 @@ import hashlib
 import struct
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ferrox.scheduler.radix import RadixCache, page_hashes
 
@@ -159,3 +161,74 @@ def test_integrity_fails_when_a_counter_disagrees_with_the_tree():
 def test_a_page_size_below_one_is_refused():
     with pytest.raises(ValueError, match="page_size must be >= 1"):
         RadixCache(0)
+
+
+# ----------------------------------------------------------------- model-based
+def reference_eviction(cache: RadixCache, count: int) -> list[int]:
+    """The definition, by brute force: repeatedly take the unlocked leaf of
+    least ``(last_access, -depth, page)``, which may expose its parent."""
+    nodes = list(cache._iter_nodes())
+    children = {id(n): len(n.children) for n in nodes}
+    gone: list[int] = []
+    alive = {id(n): n for n in nodes}
+    while len(gone) < count:
+        leaves = [n for n in alive.values() if children[id(n)] == 0 and n.lock_ref == 0]
+        if not leaves:
+            break
+        leaf = min(leaves, key=lambda n: (n.last_access, -n.depth, n.page))
+        gone.append(leaf.page)
+        del alive[id(leaf)]
+        if leaf.parent is not cache.root:
+            children[id(leaf.parent)] -= 1
+    return gone
+
+
+def reference_digest(cache: RadixCache) -> list[int]:
+    nodes = sorted(cache._iter_nodes(), key=lambda n: (-n.last_access, n.depth, n.page))
+    return [n.hash for n in nodes]
+
+
+operations = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "match", "lock", "unlock", "evict", "peek"]),
+        st.integers(0, 5),  # which of a few prompts
+        st.integers(1, 6),  # pages
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(operations)
+def test_eviction_and_digest_agree_with_their_definitions_under_any_history(ops):
+    cache = RadixCache(2)
+    # Prompts sharing prefixes: 0-2 share a first page, 3-4 another, 5 alone.
+    prompts = [[1, 1] + [p] * 12 for p in (10, 11, 12)] + [[2, 2] + [p] * 12 for p in (13, 14)] + [[3] * 14]
+    free = list(range(200))
+    locked = []
+    for op, which, n in ops:
+        prompt = prompts[which][: 2 * n + 1]
+        if op == "insert":
+            pages = [free.pop() for _ in range(n)]
+            _, adopted, duplicates = cache.insert(prompt, pages)
+            assert sorted(adopted + duplicates) == sorted(pages)
+            free.extend(duplicates)
+        elif op == "match":
+            cache.match(prompt)
+        elif op == "peek":
+            cache.match(prompt, touch=False)
+        elif op == "lock":
+            m = cache.match(prompt)
+            cache.lock(m.node)
+            locked.append(m.node)
+        elif op == "unlock" and locked:
+            cache.unlock(locked.pop(which % len(locked)))
+        elif op == "evict":
+            expected = reference_eviction(cache, n)
+            assert cache.evict(n) == expected
+            free.extend(expected)
+        cache.check_integrity()
+        assert cache.digest() == reference_digest(cache)
+    for node in locked:
+        cache.unlock(node)
+    assert sorted(cache.evict(10_000) + free) == list(range(200))
