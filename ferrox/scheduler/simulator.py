@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 from .admission import align_ceil

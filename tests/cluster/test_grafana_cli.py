@@ -184,3 +184,17 @@ def test_a_missing_dashboard_file_fails_with_status_2(grafana, tmp_path, capsys)
 def test_a_url_that_is_not_http_fails_with_status_2(capsys):
     assert main(["grafana", "push", "--url", "grafana:3000", "--token", TOKEN]) == 2
     assert "--url must be an http(s) URL" in capsys.readouterr().err
+
+
+def test_a_url_without_grafanas_api_fails_with_status_2(capsys):
+    g = StandInGrafana(prefix="/grafana")
+    try:
+        # Grafana is under /grafana; the URL misses the prefix.
+        url = g.url.removesuffix("/grafana")
+        assert main(["grafana", "push", "--url", url, "--token", TOKEN]) == 2
+    finally:
+        g.close()
+    assert capsys.readouterr().err == (
+        f"ferrox grafana push: no Grafana API at {url}/api (HTTP 404); check --url, including any path "
+        "prefix Grafana is served under\n")
+    assert g.dashboards == {}

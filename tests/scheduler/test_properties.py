@@ -36,7 +36,7 @@ from ferrox.scheduler.core import ScheduledStep, Scheduler, SchedulerConfig
 from ferrox.scheduler.simulator import Arrival, SimulationResult, Simulator, fake_token, prompt_tokens
 
 SETTINGS = settings(
-    max_examples=120,
+    max_examples=200,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )

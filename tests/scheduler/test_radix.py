@@ -232,3 +232,14 @@ def test_eviction_and_digest_agree_with_their_definitions_under_any_history(ops)
     for node in locked:
         cache.unlock(node)
     assert sorted(cache.evict(10_000) + free) == list(range(200))
+
+
+def test_stale_eviction_entries_are_dropped_before_they_outnumber_the_tree():
+    cache = RadixCache(P)
+    cache.insert(tokens(0, 8), [0, 1])
+    cache.insert(tokens(50, 8), [2, 3])
+    for _ in range(500):  # every touch of a leaf queues a fresh entry and leaves a stale one
+        cache.match(tokens(0, 9))
+    assert len(cache._leaf_heap) <= 2 * cache.num_pages + 64 + 1
+    cache.check_integrity()
+    assert cache.evict(4) == [3, 2, 1, 0]
