@@ -66,8 +66,13 @@ class FerroxReplica:
             yield TokenChunk(request.request_id, finish_reason="abort", error=str(exc),
                              replica=self.replica_id, error_status=503)
             return
-        async for chunk in stream:
-            yield chunk
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            # Cancelled by Serve (the client went away): abort now, not when
+            # the iterator is garbage-collected, so memory comes back at once.
+            await stream.aclose()
 
     def record_routing_stats(self) -> dict:
         # Rebuilt on every call: an idle engine's last snapshot would
