@@ -17,7 +17,7 @@ test-tools:
 	@bash scripts/test-tools.sh
 
 test: setup test-tools
-	RAY_AUTH_MODE=disabled $(VENV)/bin/pytest -q $(ARGS)
+	RAY_AUTH_MODE=disabled $(PY) -X faulthandler -m pytest -q $(ARGS)
 
 bench: setup
 	$(VENV)/bin/ferrox bench offline $(ARGS)

@@ -22,8 +22,12 @@ Decided here:
     done without copying K/V, by folding the ``G = Hq / Hkv`` query heads that
     share a KV head into the query-length axis (``[B, Hkv, G, D]``: a
     one-token decode's G queries all sit at the same position, so one mask
-    row serves them). Prefill sequences are attended one by one; a fresh
-    prefill attends over its own new K/V without reading the cache back.
+    row serves them). The decode group's K/V are gathered into two buffers
+    the backend keeps across layers and steps, and its bool mask becomes an
+    additive bias once per step; a lone decode whose pages are consecutive
+    page ids reads its keys as a slice of the cache, with no gather at all.
+    Prefill sequences are attended one by one; a fresh prefill attends over
+    its own new K/V without reading the cache back.
   * ``flash``: vllm-flash-attn's ``flash_attn_varlen_func`` reading the cache
     through a block table, CUDA only, from the optional ``flash`` extra.
 
@@ -40,6 +44,7 @@ per-layer choice of window (the model passes ``sliding_window`` per call).
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -262,6 +267,12 @@ class _DecodePlan:
     key_offset: int  # single decode: first key row inside the gathered pages
     key_len: int  # single decode: number of keys
     mask: torch.Tensor | None  # bool [count, 1, 1, pages_per_row * page_size]; None for a single decode
+    # Single decode whose pages are consecutive ids: its first flat cache slot,
+    # so its keys are a view of the cache and nothing is gathered.
+    slot_start: int | None = None
+    # The mask as an additive float bias (0 / -inf), per dtype: sdpa would
+    # otherwise convert the bool mask in every layer.
+    biases: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -364,11 +375,15 @@ def _build_sdpa_plan(meta: AttentionMetadata, window: int | None, page_size: int
             ],
             dtype=torch.int64,
         )
+        slot_start = None
         if n == 1:
             s = seq_lens[decode_rows[0]]
             mask = None
             key_offset = firsts[0] - first_pages[0] * page_size
             key_len = s - firsts[0]
+            row = table_rows[decode_rows[0]][first_pages[0] : first_pages[0] + counts[0]]
+            if all(b - a == 1 for a, b in zip(row, row[1:])):
+                slot_start = int(row[0]) * page_size + key_offset
         else:
             key_offset, key_len = 0, per_row * page_size
             kpos = torch.tensor(first_pages, dtype=torch.int64)[:, None] * page_size + torch.arange(
@@ -386,6 +401,7 @@ def _build_sdpa_plan(meta: AttentionMetadata, window: int | None, page_size: int
             key_offset=key_offset,
             key_len=key_len,
             mask=mask,
+            slot_start=slot_start,
         )
     return _SdpaPlan(all_decode=decode is not None and decode.count == len(query_lens), decode=decode, prefills=prefills)
 
@@ -399,6 +415,10 @@ class SdpaBackend:
     """
 
     name = "sdpa"
+
+    def __init__(self) -> None:
+        # Reusable K and V gather buffers for decode batches (see _gather).
+        self._buffers: list[torch.Tensor | None] = [None, None]
 
     def forward(
         self,
@@ -430,8 +450,20 @@ class SdpaBackend:
             out[p.start : p.end] = self._prefill(q, k, v, kv_k_layer, kv_v_layer, p, scale)
         return out
 
-    @staticmethod
+    def _gather(self, cache: torch.Tensor, pages: torch.Tensor, which: int) -> torch.Tensor:
+        """``cache[pages]`` written into a buffer kept across layers and steps (no fresh
+        multi-megabyte allocation, and its page faults, per layer)."""
+        shape = (pages.shape[0], *cache.shape[1:])
+        buf = self._buffers[which]
+        if buf is None or buf.dtype != cache.dtype or buf.device != cache.device or buf.numel() < math.prod(shape):
+            buf = torch.empty(math.prod(shape), dtype=cache.dtype, device=cache.device)
+            self._buffers[which] = buf
+        out = buf[: math.prod(shape)].view(shape)
+        torch.index_select(cache, 0, pages, out=out)
+        return out
+
     def _decode(
+        self,
         q: torch.Tensor,
         kv_k_layer: torch.Tensor,
         kv_v_layer: torch.Tensor,
@@ -441,17 +473,31 @@ class SdpaBackend:
         n, num_heads, head_dim = q.shape
         _, page_size, num_kv_heads, _ = kv_k_layer.shape
         groups = num_heads // num_kv_heads
-        rows = d.pages_per_row * page_size
-        keys = kv_k_layer.index_select(0, d.pages).view(n, rows, num_kv_heads, head_dim)
-        values = kv_v_layer.index_select(0, d.pages).view(n, rows, num_kv_heads, head_dim)
-        if d.mask is None:
-            keys = keys[:, d.key_offset : d.key_offset + d.key_len]
-            values = values[:, d.key_offset : d.key_offset + d.key_len]
         # [n, Hkv, G, D]: the G query heads of one KV head share one position,
         # so they ride the query-length axis and K/V are never repeated.
         query = q.reshape(n, num_kv_heads, groups, head_dim)
+        if d.slot_start is not None:
+            # One sequence on consecutive pages: its keys are a slice of the cache.
+            end = d.slot_start + d.key_len
+            keys = kv_k_layer.view(-1, num_kv_heads, head_dim)[d.slot_start : end].unsqueeze(0)
+            values = kv_v_layer.view(-1, num_kv_heads, head_dim)[d.slot_start : end].unsqueeze(0)
+            out = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2), scale=scale)
+            return out.reshape(n, num_heads, head_dim)
+        rows = d.pages_per_row * page_size
+        keys = self._gather(kv_k_layer, d.pages, 0).view(n, rows, num_kv_heads, head_dim)
+        values = self._gather(kv_v_layer, d.pages, 1).view(n, rows, num_kv_heads, head_dim)
+        mask = d.mask
+        if mask is None:
+            keys = keys[:, d.key_offset : d.key_offset + d.key_len]
+            values = values[:, d.key_offset : d.key_offset + d.key_len]
+        else:
+            bias = d.biases.get(q.dtype)
+            if bias is None:
+                bias = torch.zeros(mask.shape, dtype=q.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+                d.biases[q.dtype] = bias
+            mask = bias
         out = F.scaled_dot_product_attention(
-            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=d.mask, scale=scale
+            query, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=scale
         )
         return out.reshape(n, num_heads, head_dim)
 

@@ -17,7 +17,8 @@ is vLLM's:
 
 Greedy rows (temperature 0 or top_k 1) take the argmax of the penalised
 logits: temperature, top-k, top-p and min-p never remove the argmax, so they
-are skipped. A batch that is all greedy with no penalties is one argmax.
+are skipped. A batch that is all greedy with no penalties is one argmax
+(:func:`greedy_argmax`, blocked so that on CPU it costs about an ``amax``).
 
 The draw uses the exponential race: with ``q ~ Exp(1)`` i.i.d. per token,
 ``argmax(p / q)`` is distributed as ``p`` (the Gumbel-max trick in another
@@ -173,6 +174,30 @@ def apply_top_k_top_p_min_p(
     return logits
 
 
+_ARGMAX_BLOCK = 1024
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """int64 ``[N]``: the first index of each row's maximum of float ``[N, V]``, exactly as ``argmax(dim=-1)``.
+
+    Why not ``argmax`` itself: on CPU its index-tracking reduction runs
+    about ten times slower per element than ``amax`` (6 ms against 0.5 ms for
+    64 x 49152 floats). When ``V`` is a multiple of 1024 the rows are cut into
+    blocks: ``amax`` per block, the first block holding the row maximum, then
+    ``argmax`` inside that block only. The first block whose maximum equals
+    the row maximum holds the row's first maximal index, so ties (and NaN,
+    which both ``amax`` and ``argmax`` treat as largest) resolve as
+    ``argmax`` does.
+    """
+    n, width = logits.shape
+    if logits.device.type != "cpu" or width % _ARGMAX_BLOCK or width < 4 * _ARGMAX_BLOCK or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    blocks = logits.view(n, width // _ARGMAX_BLOCK, _ARGMAX_BLOCK)
+    best = blocks.amax(dim=-1).argmax(dim=-1)
+    inside = blocks[torch.arange(n, device=logits.device), best].argmax(dim=-1)
+    return best * _ARGMAX_BLOCK + inside
+
+
 class Sampler:
     """Samples one token per row of a logits batch.
 
@@ -211,11 +236,11 @@ class Sampler:
         greedy = [s.params.greedy for s in requests]
         penalised = any(s.has_penalties for s in requests)
         if all(greedy) and not penalised:
-            return logits.argmax(dim=-1)
+            return greedy_argmax(logits)
 
         if penalised:
             logits = apply_penalties(logits, requests)
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_argmax(logits)
         if all(greedy):
             return tokens
 
