@@ -204,3 +204,29 @@ def test_a_seeded_request_gets_its_own_generator_and_an_unseeded_one_none():
 def test_out_of_range_sampling_params_raise_a_value_error_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+# ---------------------------------------------------------------- greedy_argmax
+def test_blocked_greedy_argmax_equals_argmax_on_ties_across_and_inside_blocks_and_nan():
+    from ferrox.replicas.sampler import greedy_argmax
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 49152, generator=g)
+    logits[1, 5000] = logits[1, 40000] = 50.0  # tie across blocks: the first wins
+    logits[2, 2050] = logits[2, 2051] = 60.0  # tie inside one block
+    logits[3, 30000] = float("nan")  # NaN counts as largest, like argmax
+    logits[4, :] = 1.0  # all equal: index 0
+    logits[5, 49151] = 99.0  # the very last column
+    assert greedy_argmax(logits).tolist() == logits.argmax(dim=-1).tolist()
+    assert greedy_argmax(logits).tolist()[1:] == [5000, 2050, 30000, 0, 49151]
+
+
+def test_greedy_argmax_falls_back_to_argmax_for_odd_widths_and_views():
+    from ferrox.replicas.sampler import greedy_argmax
+
+    odd = torch.randn(3, 1000)
+    assert greedy_argmax(odd).tolist() == odd.argmax(dim=-1).tolist()
+    wide = torch.randn(8, 8192)
+    view = wide[:, ::2]
+    assert not view.is_contiguous()
+    assert greedy_argmax(view).tolist() == view.argmax(dim=-1).tolist()
