@@ -48,16 +48,16 @@ def _generate(ns: argparse.Namespace) -> int:
             ids = list(ids)
         else:
             ids = engine.tokenizer(ns.prompt).input_ids
-        params = SamplingParams(
-            max_tokens=ns.max_tokens,
-            temperature=ns.temperature,
-            top_p=ns.top_p,
-            top_k=ns.top_k,
-            seed=ns.seed,
-            stop=tuple(ns.stop or ()),
-            ignore_eos=ns.ignore_eos,
-        )
         try:
+            params = SamplingParams(
+                max_tokens=ns.max_tokens,
+                temperature=ns.temperature,
+                top_p=ns.top_p,
+                top_k=ns.top_k,
+                seed=ns.seed,
+                stop=tuple(ns.stop or ()),
+                ignore_eos=ns.ignore_eos,
+            )
             stream = engine.add_request(ids, params)
         except ValueError as exc:
             print(f"error: {exc}", file=sys.stderr)

@@ -149,7 +149,7 @@ async def _parse_body(request: Request, model: type[Any]) -> Any:
         raise OpenAIError(400, "The request body is missing; send a JSON object", code="missing_body")
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise OpenAIError(
             400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
         ) from None

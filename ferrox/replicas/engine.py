@@ -254,7 +254,10 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, prompt, params, self.eos_token_ids)
         with self._lock:
             if request_id in self._by_id:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                # Clients and proxies reuse ids (tracing headers); two live
+                # requests must still be told apart here.
+                request_id = f"{request_id}#{uuid.uuid4().hex[:8]}"
+                stream.request_id = request_id
             uid = next(self._uids)
             try:
                 self.scheduler.add_request(uid, prompt, params.max_tokens)

@@ -18,6 +18,9 @@ from typing import Literal
 
 FinishReasonStr = Literal["stop", "length", "abort"]
 
+#: Temperatures below this sample greedily (as vLLM's ``_SAMPLING_EPS``).
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -65,7 +68,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below 1e-5 (vLLM's sampling epsilon) dividing logits by the
+        # temperature overflows float32 into NaN; such a request means greedy.
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field and its limit if any value is out of range."""

@@ -800,3 +800,12 @@ async def test_a_client_leaving_a_real_socket_mid_stream_closes_the_backend_stre
     finally:
         server.should_exit = True
         await anyio.to_thread.run_sync(thread.join, 10)
+
+
+async def test_json_nested_deeper_than_the_parser_allows_is_a_400_not_a_500(client, backend):
+    deep = "[" * 5000 + "]" * 5000
+    body = '{"model": "%s", "prompt": "x", "max_tokens": 2, "metadata": %s}' % (MODEL, deep)
+    response = await client.post("/v1/completions", content=body.encode(), headers={"content-type": "application/json"})
+    error = assert_error(response, 400, "invalid_request_error", None)
+    assert error["code"] == "invalid_json"
+    assert backend.requests == []

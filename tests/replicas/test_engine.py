@@ -450,3 +450,14 @@ def test_an_idle_snapshot_is_exact_and_a_queued_request_advances_its_seq(engine)
     assert after.seq > busy.seq
     assert after.free_slots == MAX_SEQS
     assert after.kv_tokens_available == after.kv_tokens_total
+
+
+def test_two_live_requests_with_the_same_request_id_both_finish(engine):
+    prompt = prompt_ids(engine, "Shared id", 12)
+    first = engine.add_request(prompt, greedy(6), request_id="dup-id")
+    second = engine.add_request(prompt, greedy(6), request_id="dup-id")
+    assert first.request_id == "dup-id"
+    assert second.request_id.startswith("dup-id#") and second.request_id != "dup-id"
+    a, b = first.result(), second.result()
+    assert a.token_ids == b.token_ids
+    assert (a.usage.completion_tokens, b.usage.completion_tokens) == (6, 6)

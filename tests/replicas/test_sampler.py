@@ -31,6 +31,12 @@ def test_temperature_zero_is_the_argmax_of_each_row():
     assert torch.equal(tokens, logits.argmax(dim=-1))
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy_not_nan():
+    logits = random_logits(8, seed=5)
+    tokens = Sampler(VOCAB, "cpu")(logits, [state(temperature=1e-40) for _ in range(8)])
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
 def test_top_k_one_equals_greedy_even_at_high_temperature():
     logits = random_logits(8, seed=1)
     sampler = Sampler(VOCAB, "cpu")
