@@ -329,4 +329,4 @@ def test_a_readmitted_request_ends_on_its_new_budget():
     assert decode.get(1) == DecodingRequest(1, 2)
     assert decode.advance() == ((1,), [])
     assert decode.advance() == ((1,), [1])
-    assert 1 not in decode
+    assert decode.get(1) is None
