@@ -90,34 +90,30 @@ class RequestStream:
     async def _agen(self) -> AsyncIterator[TokenChunk]:
         assert self._aq is not None, "this stream was created outside an event loop; iterate it with `for`"
         try:
-            while True:
-                item = await self._aq.get()
-                if item is _END:
-                    return
-                if item.finished:
-                    self.finished = True
+            while (item := self._accept(await self._aq.get())) is not None:
                 yield item
                 if item.finished:
                     return
         finally:
-            if not self.finished:
-                self._engine.abort(self.request_id)
+            self.close()
 
     def __iter__(self) -> Iterator[TokenChunk]:
         assert self._q is not None, "this stream was created inside an event loop; iterate it with `async for`"
         try:
-            while True:
-                item = self._q.get()
-                if item is _END:
-                    return
-                if item.finished:
-                    self.finished = True
+            while (item := self._accept(self._q.get())) is not None:
                 yield item
                 if item.finished:
                     return
         finally:
-            if not self.finished:
-                self._engine.abort(self.request_id)
+            self.close()
+
+    def _accept(self, item) -> TokenChunk | None:
+        """The next chunk to hand out, or ``None`` at the end of the stream."""
+        if item is _END:
+            return None
+        if item.finished:
+            self.finished = True
+        return item
 
     def close(self) -> None:
         """Stop reading: an unfinished request is aborted (its memory comes back at once)."""
