@@ -18,6 +18,7 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 __all__ = ["HFParams", "rms_norm"]
 
@@ -74,3 +75,14 @@ class HFParams(nn.Module):
             if missing:
                 parts.append(f"missing weights: {', '.join(missing[:20])}")
             raise ValueError("; ".join(parts) + f" ({len(unexpected)} unexpected, {len(missing)} missing)")
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits ``[N, vocab]`` from the tied embedding or ``lm_head``
+        (subclasses set ``self.embed`` and ``self.lm_head``, the latter ``None`` when tied)."""
+        weight = self.embed if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (see :meth:`HFParams.load_hf`)."""
+        self.load_hf(weights, tied_head=self.lm_head is None)

@@ -319,13 +319,3 @@ class BambaForCausalLM(HFParams):
             act = F.silu(F.linear(hn, L["gate"], L["gate_b"])) * F.linear(hn, L["up"], L["up_b"])
             x = x + F.linear(act, L["down"], L["down_b"])
         return rms_norm(x, self.norm_w, self.eps)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab]``."""
-        weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (see :meth:`HFParams.load_hf`)."""
-        self.load_hf(weights, tied_head=self.lm_head is None)

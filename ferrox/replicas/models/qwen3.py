@@ -172,13 +172,3 @@ class Qwen3ForCausalLM(HFParams):
             hn = rms_norm(x, layer["post_norm"], self.eps)
             x = x + F.linear(F.silu(F.linear(hn, layer["gate"])) * F.linear(hn, layer["up"]), layer["down"])
         return rms_norm(x, self.norm_w, self.eps)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits ``[N, vocab]``."""
-        weight = self.embed if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (see :meth:`HFParams.load_hf`)."""
-        self.load_hf(weights, tied_head=self.lm_head is None)
