@@ -40,6 +40,8 @@ from typing import AsyncIterator, Iterator, Sequence
 
 from ferrox.scheduler.core import Scheduler, SchedulerConfig, ScheduledStep
 from ferrox.scheduler.admission import RECURRENT_SLOTS_PER_REQUEST
+from ferrox.scheduler.pages import CACHE_OWNER
+from ferrox.scheduler.radix import SIDE_STATE, SIDE_WINDOW
 from ferrox.scheduler.planner import RequestRefused
 
 from .config import EngineConfig
@@ -343,7 +345,7 @@ class LLMEngine:
         )
 
     def _swa_available(self) -> int | None:
-        """Free window-pool tokens less what admitted window requests may still take
+        """Free (or evictable cached) window-pool tokens less what admitted window requests may still take
         (their reservation net of what they hold); ``None`` without a window pool."""
         s = self.scheduler
         if s.kv.sliding_window is None:
@@ -351,14 +353,16 @@ class LLMEngine:
         outstanding = sum(
             max(reserve - s.kv.window_held(uid), 0) for uid, reserve in s.planner._window_reserve.items()
         )
-        return s.kv.swa_pages.num_free * self.page_size - outstanding
+        cap = s.kv.capacity(0)  # free + cached window pages no request uses
+        return cap.swa_tokens - outstanding
 
     def _recurrent_available(self) -> int | None:
-        """Free recurrent slots less three per request still waiting; ``None`` without the pool."""
+        """Free (or evictable cached) recurrent slots less three per request still waiting; ``None`` without the pool."""
         s = self.scheduler
         if not s.kv.recurrent.num_pages:
             return None
-        return s.kv.recurrent.num_free - RECURRENT_SLOTS_PER_REQUEST * s.planner.num_waiting_new
+        cap = s.kv.capacity(0)  # free + cached snapshots no request uses
+        return cap.recurrent_slots - RECURRENT_SLOTS_PER_REQUEST * s.planner.num_waiting_new
 
     def check_integrity(self) -> None:
         """Raise ``AssertionError`` unless every page, slot and lock is accounted for."""
@@ -378,6 +382,18 @@ class LLMEngine:
             slots = self.scheduler.planner.slots
             if slots.available != slots.capacity:
                 raise AssertionError(f"{slots.capacity - slots.available} request slot(s) still held")
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix no running request uses (its pages, window
+        pages and snapshots go back to their pools), as vLLM's
+        ``reset_prefix_cache``. Returns whether the cache is now empty (it is
+        not while requests hold cached prefixes)."""
+        with self._lock:
+            kv = self.scheduler.kv
+            kv.pages.free(kv.cache.evict(kv.cache.num_pages), CACHE_OWNER)
+            for kind, pool in ((SIDE_WINDOW, kv.swa_pages), (SIDE_STATE, kv.recurrent)):
+                pool.free(kv.cache.evict_side(kind, kv.cache.side_count(kind)), CACHE_OWNER)
+            return kv.cache.num_pages == 0
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no request is live (tests and benchmarks)."""

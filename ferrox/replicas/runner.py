@@ -214,7 +214,14 @@ class ModelRunner:
         input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
         if self.hybrid:
             state = build_step_state(seqs, self.spec, self.page_size, self.device)
+            rec = self.caches.recurrent
+            if state.restores:
+                for src, dst in state.restores:
+                    rec.copy_slot(src, dst)  # type: ignore[union-attr]
             hidden = self.model(input_ids, meta.positions(), self.caches, meta, state)
+            if state.end_snapshots:
+                for src, dst in state.end_snapshots:
+                    rec.copy_slot(src, dst)  # type: ignore[union-attr]
         else:
             hidden = self.model(input_ids, meta.positions(), self.kv, meta)
         sampled: dict[int, int] = {}

@@ -22,8 +22,9 @@ Decided here:
   state_size]`` kept in float32 (the recurrence accumulates over the whole
   sequence; transformers' chunk scan also runs it in float32). A request
   holds three slots (the scheduler's ``RECURRENT_SLOTS_PER_REQUEST``): the
-  first is its live state, the other two are reserved for the ping-pong
-  prefix snapshots.
+  first is its live state, the other two hold its prefix snapshots (which
+  boundaries: ``ferrox.scheduler.kv``); :class:`StepState` says which copies
+  a step makes.
 - **The split** (:func:`split_budget`): the full pool is what is left after
   the other two. The window pool gets enough pages for every request slot
   to hold its largest window reservation (``ceil_page(window) + 2 pages +
@@ -162,12 +163,21 @@ class StepState:
     ``live_slots``: int64 ``[B]`` each sequence's live recurrent slot (device),
     ``live_slots_host`` the same as a list; ``fresh[b]``: its state starts
     from zero this step (the first chunk of a prompt with nothing cached).
+    Prefix snapshots (the scheduler's ``restore_slot`` / ``snapshots``):
+    ``restores`` are ``(cached slot, live slot)`` copies made before the
+    forward pass, ``end_snapshots`` ``(live slot, slot)`` copies made after
+    it, and ``mid_snapshots[b] = (offset, slot)`` asks the mixer to store
+    sequence ``b``'s state after its first ``offset`` query tokens, inside
+    the chunk.
     """
 
     window_meta: AttentionMetadata | None = None
     live_slots: torch.Tensor | None = None
     live_slots_host: list[int] | None = None
     fresh: list[bool] | None = None
+    restores: list[tuple[int, int]] | None = None
+    end_snapshots: list[tuple[int, int]] | None = None
+    mid_snapshots: dict[int, tuple[int, int]] | None = None
 
 
 def split_budget(
@@ -261,6 +271,20 @@ def build_step_state(seqs, spec: PoolSpec, page_size: int, device) -> StepState:
         state.live_slots_host = live
         state.live_slots = _to_device(torch.tensor(live, dtype=torch.int64), torch.device(device))
         state.fresh = [s.computed_len == 0 for s in seqs]
+        restores: list[tuple[int, int]] = []
+        ends: list[tuple[int, int]] = []
+        mids: dict[int, tuple[int, int]] = {}
+        for b, s in enumerate(seqs):
+            if getattr(s, "restore_slot", -1) >= 0:
+                restores.append((int(s.restore_slot), live[b]))
+            for offset, slot in getattr(s, "snapshots", ()):
+                if offset == len(s.query_tokens):
+                    ends.append((live[b], int(slot)))
+                elif 0 < offset < len(s.query_tokens) and b not in mids:
+                    mids[b] = (int(offset), int(slot))
+                else:
+                    raise ValueError(f"snapshot offset {offset} outside the sequence's {len(s.query_tokens)} query tokens")
+        state.restores, state.end_snapshots, state.mid_snapshots = restores, ends, mids
     return state
 
 

@@ -14,12 +14,16 @@ shared by the engine (``ferrox.replicas.engine``) and the trace simulator
    tokens and releases the requests that ended (budget, EOS or stop string),
    their full pages going to the prefix cache.
 
-Deliberately not done: prefix caching for models with window or recurrent
-pools. A cached prefix would also need the window layers' last pages and a
-recurrent-state snapshot at the page boundary; until the engine keeps those
-(the window/recurrent model families' work), such models run uncached, and
-the scheduler says so by turning the cache off rather than serving wrong
-state.
+Prefix caching covers window and recurrent models too (``kv.py`` says
+what a usable prefix is). The scheduler's part for a recurrent model:
+a hit's first step carries ``restore_slot`` (copy that cached snapshot into
+the live slot before running), and a step that crosses one of the request's
+snapshot boundaries carries ``snapshots`` (``(query offset, slot)``: store
+the state after that many of the step's query tokens in that slot);
+:meth:`Scheduler.commit` records what was stored, and the finished request
+hands those snapshots to the cache with its pages.
+
+Deliberately not done: snapshots at every page boundary (see ``kv.py``).
 """
 
 from __future__ import annotations
@@ -77,6 +81,13 @@ class ScheduledSeq(NamedTuple):
     recurrent_slots: tuple[int, ...] = ()
     #: Set on a prompt's first chunk: (prompt tokens, cached tokens).
     admission: tuple[int, int] | None = None
+    #: Recurrent models: the cached snapshot slot to copy into the live slot
+    #: before this step (a prefix hit's first chunk), else -1.
+    restore_slot: int = -1
+    #: Recurrent models: ``(offset, slot)`` pairs, store the state after the
+    #: first ``offset`` query tokens of this step in ``slot``
+    #: (``1 <= offset <= len(query_tokens)``).
+    snapshots: tuple[tuple[int, int], ...] = ()
 
     @property
     def seq_len(self) -> int:
@@ -107,6 +118,8 @@ class _Req:
     prefilled: bool = False
     slot: int = -1
     mem: RequestMemory | None = None
+    #: Recurrent snapshots stored by committed steps: slot -> boundary.
+    snapshots: dict[int, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -119,7 +132,9 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         windowed = config.sliding_window is not None and config.num_swa_pages > 0
-        caching = config.enable_prefix_caching and not windowed and not config.recurrent
+        caching = config.enable_prefix_caching
+        # Recurrent snapshots exist only to be cached.
+        self._snapshotting = caching and config.recurrent and config.num_recurrent_slots > 0
         self.kv = KVManager(
             config.page_size,
             config.num_pages,
@@ -194,18 +209,19 @@ class Scheduler:
                 self.kv.allocate(chunk.uid, end)
                 req = self._reqs[chunk.uid]
                 req.slot = chunk.slot
-                seqs.append(
-                    self._seq(
-                        req,
-                        chunk.slot,
-                        chunk.computed_len,
-                        req.tokens[chunk.computed_len : end],
-                        samples=not chunk.chunked,
-                        admission=(chunk.admission.prompt_tokens, chunk.admission.cached_tokens)
-                        if chunk.admission
-                        else None,
-                    )
+                seq = self._seq(
+                    req,
+                    chunk.slot,
+                    chunk.computed_len,
+                    req.tokens[chunk.computed_len : end],
+                    samples=not chunk.chunked,
+                    admission=(chunk.admission.prompt_tokens, chunk.admission.cached_tokens)
+                    if chunk.admission
+                    else None,
                 )
+                if self._snapshotting:
+                    seq = self._prefill_snapshots(req, seq)
+                seqs.append(seq)
                 if not chunk.chunked:
                     req.prefilled = True
             return ScheduledStep("prefill", tuple(seqs), step.blocked)
@@ -213,6 +229,7 @@ class Scheduler:
         # The hot path: one sequence per running request, every decode step.
         reqs, kv, p = self._reqs, self.kv, self.config.page_size
         append = seqs.append
+        snapshotting = self._snapshotting
         for uid in step.uids:
             req = reqs[uid]
             mem = req.mem
@@ -222,12 +239,30 @@ class Scheduler:
                 kv.allocate(uid, pos + 1)
             tables = mem._tables or mem.tables()  # type: ignore[union-attr]
             pages, swa_pages, recurrent_slots = tables
-            append(
-                ScheduledSeq(
-                    uid, req.slot, pos, (req.tokens[pos],), pages, True, swa_pages, mem.swa_start, recurrent_slots
-                )
+            seq = ScheduledSeq(
+                uid, req.slot, pos, (req.tokens[pos],), pages, True, swa_pages, mem.swa_start, recurrent_slots
             )
+            if snapshotting and (pos + 1) % p == 0:
+                # A page boundary after this token: the latest snapshot.
+                seq = seq._replace(snapshots=((1, recurrent_slots[2]),))
+            append(seq)
         return ScheduledStep("decode", tuple(seqs), step.blocked)
+
+    def _prefill_snapshots(self, req: _Req, seq: ScheduledSeq) -> ScheduledSeq:
+        """A recurrent prompt chunk's restore and snapshots (module docstring)."""
+        p = self.config.page_size
+        start, end = seq.computed_len, seq.seq_len
+        slots = seq.recurrent_slots
+        snaps: list[tuple[int, int]] = []
+        prompt_boundary = (req.prompt_len - 1) // p * p
+        if req.cached_len < prompt_boundary and start < prompt_boundary <= end:
+            snaps.append((prompt_boundary - start, slots[1]))
+        if end == req.prompt_len and end % p == 0:
+            snaps.append((end - start, slots[2]))
+        restore = self.kv.take_restore(req.uid) if start == req.cached_len else -1
+        if not snaps and restore < 0:
+            return seq
+        return seq._replace(restore_slot=restore, snapshots=tuple(snaps))
 
     def _seq(self, req: _Req, slot: int, computed: int, query, samples: bool, admission=None) -> ScheduledSeq:
         mem = req.mem
@@ -283,6 +318,8 @@ class Scheduler:
                 continue
             computed = seq.computed_len + len(seq.query_tokens)
             req.computed = computed
+            for offset, slot in seq.snapshots:
+                req.snapshots[slot] = seq.computed_len + offset
             if slide_from is not None and computed - req.mem.swa_start >= slide_from:  # type: ignore[union-attr]
                 kv.slide(uid, computed)
             if seq.samples:
@@ -302,7 +339,7 @@ class Scheduler:
         # KV exists for the positions committed steps computed: every token
         # but the last sampled one, or, for a prompt stopped between chunks,
         # only its computed part (a partly written page must not be cached).
-        self.kv.release(req.uid, req.tokens[: req.computed])
+        self.kv.release(req.uid, req.tokens[: req.computed], req.snapshots)
         del self._reqs[req.uid]
 
     # --------------------------------------------------------------- stats

@@ -26,7 +26,11 @@ Decided here, on top of the seed's admission rules (``admission.py``):
   ``min(ceil_page(prompt + output), ceil_page(window) + 2 pages + ceil_page(chunk budget))``
   (the window, the page being written, the page about to slide out, and
   one chunk), so a window request never finds the window pool full
-  mid-generation either.
+  mid-generation either. A prefix hit's cached window pages count as held
+  against that reservation (what it locks leaves the evictable room by as
+  much as its outstanding need shrinks), and its recurrent snapshot, like
+  its full pages, is evictable room until the admission locks it, so no
+  room for the prompt that locks it.
 - Requests that can never run -- prompt + output beyond the context length,
   beyond the whole KV pool, beyond the window or recurrent pool -- are
   refused at arrival with the numbers, never left waiting forever.
@@ -84,11 +88,15 @@ class PrefixHit:
     ``cached_len``: tokens (whole pages) already computed.
     ``evictable_len``: the part of them currently unlocked, which the
     measured ``kv_tokens`` counts as evictable and which stops being so once
-    the admission locks it.
+    the admission locks it. ``swa_evictable_len`` (window-pool tokens) and
+    ``recurrent_evictable`` (recurrent slots): the same for the cached
+    window pages and snapshots of the matched path.
     """
 
     cached_len: int = 0
     evictable_len: int = 0
+    swa_evictable_len: int = 0
+    recurrent_evictable: int = 0
 
 
 NO_HIT = PrefixHit()
@@ -367,12 +375,21 @@ class StepPlanner:
                     if outstanding is None:
                         outstanding = self._window_outstanding(window_held)
                         swa_outstanding = sum(outstanding.values())
+                    # A hit's cached window pages it locks leave the evictable
+                    # room and count as held against its reservation: no
+                    # change to what the reservation may take.
                     swa_avail = swa_free - swa_outstanding - new_reserve
                     cap = replace(cap, swa_tokens=max(swa_avail, 0))
                 # The prompt's own matched prefix is in the measured kv_tokens
-                # as evictable until this admission locks it: it is no room
-                # for the prompt itself.
-                seat = replace(cap, kv_tokens=cap.kv_tokens - hit.evictable_len) if hit.evictable_len else cap
+                # (and its snapshot in recurrent_slots) as evictable until this
+                # admission locks it: it is no room for the prompt itself.
+                seat = cap
+                if hit.evictable_len or hit.recurrent_evictable:
+                    seat = replace(
+                        cap,
+                        kv_tokens=cap.kv_tokens - hit.evictable_len,
+                        recurrent_slots=cap.recurrent_slots - hit.recurrent_evictable,
+                    )
                 refusal = pass_.check_admission(request, cached, seat)
                 if refusal is None and windowed:
                     reserve = self.window_reserve(request.prompt_len, request.output_len)
@@ -398,8 +415,11 @@ class StepPlanner:
                     cap,
                     request_slots=cap.request_slots - 1,
                     kv_tokens=cap.kv_tokens - hit.evictable_len - rounding,
-                    recurrent_slots=cap.recurrent_slots - (RECURRENT_SLOTS_PER_REQUEST if g.recurrent else 0),
+                    recurrent_slots=cap.recurrent_slots
+                    - hit.recurrent_evictable
+                    - (RECURRENT_SLOTS_PER_REQUEST if g.recurrent else 0),
                 )
+
                 self._slot_of[request.uid] = slot
                 self._waiting_tokens -= request.prompt_len + request.output_len
                 self._num_new -= 1

@@ -4,8 +4,9 @@ The model is written as a Hugging Face directory (safetensors + the
 embedded SmolLM2 tokenizer) and loaded by the engine like any checkpoint.
 With 7 recurrent slots (three per request), two requests run and a third
 waits with ``RECURRENT_BUDGET`` until one ends. Greedy output is compared
-token for token with transformers on the same weights, and chunked prefill
-(state carried across 16-token chunks) with unchunked. After every test the
+token for token with transformers on the same weights, chunked prefill
+(state carried across 16-token chunks) with unchunked, and prefix-cache hits
+(resuming from a recurrent snapshot) with an engine that has no cache. After every test the
 engine must go idle with every page and slot accounted for.
 """
 
@@ -87,6 +88,7 @@ def test_the_engine_sizes_a_recurrent_pool_and_reports_it(engine, unchunked):
 
 
 def test_with_seven_slots_two_requests_run_and_the_third_waits_for_recurrent_budget(engine):
+    engine.reset_prefix_cache()  # no cached snapshot to evict: the pool is exactly 7 free slots
     seen: list[tuple[frozenset, NotAdmitted | None, int]] = []
     execute = engine.runner.execute
 
@@ -129,14 +131,48 @@ def test_chunked_and_unchunked_prefill_give_identical_greedy_tokens(engine, unch
     assert a == b
 
 
-def test_a_hybrid_model_runs_uncached_so_a_repeated_prompt_reports_no_cached_tokens(engine):
-    """Prefix caching is off for recurrent models until prefix hits resume from
-    a state snapshot (core.py says why); a repeat recomputes the state."""
+@pytest.fixture(scope="module")
+def uncached(model_dir):
+    e = LLMEngine(_config(model_dir, enable_prefix_caching=False, num_recurrent_slots=None), replica_id="hybrid-uncached")
+    yield e
+    e.shutdown()
+
+
+@pytest.mark.parametrize("name", ["engine", "unchunked"])
+def test_a_repeated_prompt_resumes_from_its_snapshot_with_identical_greedy_tokens(name, request, uncached):
+    """The prompt snapshot (state after 64 of 80 tokens) is taken at a chunk's
+    end in the chunked engine and inside the one chunk in the unchunked one."""
+    e = request.getfixturevalue(name)
+    e.reset_prefix_cache()
     prompt = _prompt(80, 3)
-    first = engine.generate(prompt, _greedy(6))
-    second = engine.generate(prompt, _greedy(6))
-    assert (first.usage.cached_tokens, second.usage.cached_tokens) == (0, 0)
-    assert first.token_ids == second.token_ids
+    reference = uncached.generate(prompt, _greedy(20))
+    first = e.generate(prompt, _greedy(20))
+    second = e.generate(prompt, _greedy(20))
+    assert (reference.usage.cached_tokens, first.usage.cached_tokens, second.usage.cached_tokens) == (0, 0, 64)
+    assert first.token_ids == reference.token_ids
+    assert second.token_ids == reference.token_ids
+
+
+@pytest.mark.parametrize("name", ["engine", "unchunked"])
+def test_a_follow_up_turn_resumes_from_the_latest_snapshot_with_identical_greedy_tokens(name, request, uncached):
+    e = request.getfixturevalue(name)
+    e.reset_prefix_cache()
+    prompt = _prompt(75, 7)
+    first = e.generate(prompt, _greedy(30))  # computes 104 positions: latest boundary 96
+    turn = prompt + first.token_ids + _prompt(9, 8)
+    reference = uncached.generate(turn, _greedy(12))
+    follow_up = e.generate(turn, _greedy(12))
+    assert follow_up.usage.cached_tokens == 96
+    assert follow_up.token_ids == reference.token_ids
+
+
+def test_a_shared_prefix_without_a_snapshot_is_recomputed(engine, uncached):
+    engine.reset_prefix_cache()
+    engine.generate(_prompt(80, 3), _greedy(4))
+    other = _prompt(80, 3)[:40] + _prompt(40, 9)  # shares 2 pages, no snapshot ends there
+    out = engine.generate(other, _greedy(8))
+    assert out.usage.cached_tokens == 0
+    assert out.token_ids == uncached.generate(other, _greedy(8)).token_ids
 
 
 def _wait_for(engine, request_id: str, phase: str) -> None:
@@ -158,7 +194,8 @@ def test_aborts_at_every_stage_leak_no_recurrent_slot(engine):
     _wait_for(engine, decoding.request_id, "decoding")
     assert engine.abort(decoding.request_id)
     assert engine.wait_idle(30)
-    assert engine.scheduler.kv.recurrent.num_free == 7
+    kv = engine.scheduler.kv
+    assert kv.recurrent.num_free + kv.cache.side_count(1) == 7, "every slot free or a cached snapshot"
     # The freed slots serve again, from zero state: the same prompt gives the same tokens as before.
     before = engine.generate(_prompt(70, 2), _greedy(12)).token_ids
     assert engine.generate(_prompt(70, 2), _greedy(12)).token_ids == before

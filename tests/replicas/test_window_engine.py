@@ -88,6 +88,7 @@ def test_the_engine_sizes_a_window_pool_and_tells_the_scheduler_the_window(engin
 
 
 def test_a_2000_token_prompt_never_holds_more_than_window_plus_chunk_plus_two_pages(engine):
+    engine.reset_prefix_cache()
     held: list[int] = []
     kinds: list[str] = []
     execute = engine.runner.execute
@@ -113,6 +114,11 @@ def test_a_2000_token_prompt_never_holds_more_than_window_plus_chunk_plus_two_pa
     assert max(held[:32]) == 9
     # Decoding: the window, the page written and the page about to go, at most.
     assert max(held[32:]) == WINDOW // PAGE + 2
+    # At the end the request holds nothing; the window pages of its whole pages
+    # still in its window went to the prefix cache, unlocked; the rest is free.
+    kv = engine.scheduler.kv
+    assert (kv.cache.side_count(0), kv.cache.side_evictable(0)) == (5, 5)
+    assert kv.swa_pages.num_free == engine.runner.num_swa_pages - 5
 
 
 def test_greedy_tokens_equal_transformers_on_the_same_weights(engine, model_dir):
@@ -132,15 +138,51 @@ def test_chunked_and_unchunked_prefill_give_identical_greedy_tokens(engine, unch
     assert a == b
 
 
-def test_a_window_model_runs_uncached_so_a_repeated_prompt_reports_no_cached_tokens(engine):
-    """Prefix caching is off for window models until the window pages of a
-    cached prefix are kept (core.py says why); a repeat must recompute, not
-    serve stale window state."""
-    prompt = _prompt(100, 3)
-    first = engine.generate(prompt, _greedy(6))
-    second = engine.generate(prompt, _greedy(6))
-    assert (first.usage.cached_tokens, second.usage.cached_tokens) == (0, 0)
-    assert first.token_ids == second.token_ids
+@pytest.fixture(scope="module")
+def uncached(model_dir):
+    e = LLMEngine(_config(model_dir, enable_prefix_caching=False), replica_id="window-uncached")
+    yield e
+    e.shutdown()
+
+
+@pytest.mark.parametrize("name", ["engine", "unchunked"])
+def test_a_repeated_prompt_within_the_window_reuses_its_pages_with_identical_greedy_tokens(name, request, uncached):
+    e = request.getfixturevalue(name)
+    e.reset_prefix_cache()
+    prompt = _prompt(60, 3)  # shorter than window + a page: no window page slides out during its prefill
+    reference = uncached.generate(prompt, _greedy(6))
+    first = e.generate(prompt, _greedy(6))
+    second = e.generate(prompt, _greedy(6))
+    assert (reference.usage.cached_tokens, first.usage.cached_tokens, second.usage.cached_tokens) == (0, 0, 48)
+    assert first.token_ids == second.token_ids == reference.token_ids
+
+
+@pytest.mark.parametrize("name", ["engine", "unchunked"])
+def test_a_follow_up_turn_resumes_on_the_cached_window_pages_with_identical_greedy_tokens(name, request, uncached):
+    e = request.getfixturevalue(name)
+    e.reset_prefix_cache()
+    prompt = _prompt(300, 7)
+    first = e.generate(prompt, _greedy(30))  # computes 329 positions: 20 whole pages cached
+    turn = prompt + first.token_ids + _prompt(21, 8)
+    reference = uncached.generate(turn, _greedy(12))
+    follow_up = e.generate(turn, _greedy(12))
+    assert follow_up.usage.cached_tokens == 320
+    assert follow_up.token_ids == reference.token_ids
+
+
+def test_a_prompt_is_reused_while_its_window_is_cached_and_recomputed_once_it_slid_out(engine, uncached):
+    """A repeat resumes at 288 (the prompt's last whole page) with window pages
+    from 288 - 64 - 16 = 208 on. After 4 outputs the first request still held
+    them; after 100 its window had slid past 288, so nothing is usable."""
+    prompt = _prompt(300, 9)
+    reference = uncached.generate(prompt, _greedy(6)).token_ids
+    results = []
+    for outputs in (4, 100):
+        engine.reset_prefix_cache()
+        engine.generate(prompt, _greedy(outputs))
+        again = engine.generate(prompt, _greedy(6))
+        results.append((again.usage.cached_tokens, again.token_ids == reference))
+    assert results == [(288, True), (0, True)]
 
 
 def _wait_for(engine, request_id: str, phase: str) -> None:
@@ -159,4 +201,7 @@ def test_aborts_mid_prefill_and_mid_decode_give_every_window_page_back(engine):
     _wait_for(engine, short.request_id, "decoding")
     assert engine.abort(short.request_id)
     assert engine.wait_idle(30)
-    assert engine.scheduler.kv.swa_pages.num_free == engine.runner.num_swa_pages
+    kv = engine.scheduler.kv
+    assert kv.swa_pages.num_free + kv.cache.side_count(0) == engine.runner.num_swa_pages, (
+        "every window page free or cached"
+    )

@@ -131,17 +131,6 @@ def test_the_blocked_reason_of_each_step_is_kept():
     assert (step.kind, step.blocked, s.last_blocked) == ("decode", NotAdmitted.NO_REQUEST_SLOT, NotAdmitted.NO_REQUEST_SLOT)
 
 
-def test_window_and_recurrent_models_run_without_the_prefix_cache():
-    window = scheduler(sliding_window=8, num_swa_pages=8)
-    recurrent = scheduler(recurrent=True, num_recurrent_slots=6)
-    plain = scheduler(sliding_window=8)  # a window without a window pool is no window model
-    assert not window.kv.enable_prefix_caching and not recurrent.kv.enable_prefix_caching
-    assert plain.kv.enable_prefix_caching and plain.kv.sliding_window is None
-    recurrent.add_request(1, PROMPT[:3], 2)
-    (seq,) = recurrent.schedule().seqs
-    assert seq.recurrent_slots == (0, 1, 2)
-
-
 def test_a_window_chunk_keeps_the_pages_its_first_query_attends_to():
     s = scheduler(sliding_window=8, num_swa_pages=16, max_prefill_tokens=16, num_pages=32)
     s.add_request(1, list(range(40)), 2)

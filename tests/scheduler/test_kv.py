@@ -132,14 +132,19 @@ def test_admission_checks_the_prefix_the_planner_was_told():
         kv.admit(2, tokens(0, 9), expected_cached_len=0)
 
 
-def test_a_recurrent_request_takes_three_slots_and_gives_them_back():
+def test_a_recurrent_request_takes_three_slots_when_its_pages_are_allocated_and_gives_them_back():
     kv = KVManager(P, 8, num_recurrent_slots=7)
     kv.admit(1, tokens(0, 4))
     kv.admit(2, tokens(10, 4))
+    assert kv.request(1).recurrent_slots == [], "phase one only locks: taking slots may evict snapshots"
+    kv.allocate(1, 4)
+    kv.allocate(2, 4)
     assert kv.request(1).recurrent_slots == [0, 1, 2]
     assert kv.request(2).recurrent_slots == [3, 4, 5]
+    kv.admit(3, tokens(20, 4))
     with pytest.raises(OutOfPages):
-        kv.admit(3, tokens(20, 4))
+        kv.allocate(3, 4)
+    kv.release(3, None)
     kv.release(1, None)
     kv.release(2, None)
     kv.check_idle()

@@ -27,10 +27,13 @@ The Mamba2 mixer, as transformers' ``BambaMixer.torch_forward`` computes it
 - ``y * silu(gate)`` is RMS-normalised per group of ``I / G`` channels, times
   the norm weight, then ``out_proj``.
 
+A prefix snapshot that falls inside a prefill chunk (``StepState.mid_snapshots``)
+splits that sequence's scan at the snapshot's offset and stores the state
+there; snapshots at a step's start or end are whole-slot copies the runner
+makes (``RecurrentState.copy_slot``).
+
 Deliberately not here: the fused CUDA kernels (``mamba_ssm``,
-``causal_conv1d``): the scan is plain torch on every device; the prefix
-snapshot copies are made by the runner (``RecurrentState.copy_slot``), not
-in the mixer.
+``causal_conv1d``): the scan is plain torch on every device.
 """
 
 from __future__ import annotations
@@ -264,7 +267,18 @@ class BambaForCausalLM(HFParams):
             xs = xs.view(q, H, P)
             Bs = Bs.view(q, G, N).repeat_interleave(rep, dim=1)
             Cs = Cs.view(q, G, N).repeat_interleave(rep, dim=1)
-            y, h_end = ssd_scan(xs, dt[s:e], A, Bs, Cs, h0)
+            mid = state.mid_snapshots.get(b) if state.mid_snapshots else None
+            if mid is None:
+                y, h_end = ssd_scan(xs, dt[s:e], A, Bs, Cs, h0)
+            else:
+                # A prefix snapshot inside the chunk: the state after the
+                # first k tokens (conv: the K - 1 inputs before token k).
+                k, snap = mid
+                conv_pool[snap].copy_(seq_in[:, k : k + K - 1])
+                y1, h_k = ssd_scan(xs[:k], dt[s : s + k], A, Bs[:k], Cs[:k], h0)
+                ssm_pool[snap].copy_(h_k)
+                y2, h_end = ssd_scan(xs[k:], dt[s + k : e], A, Bs[k:], Cs[k:], h_k)
+                y = torch.cat((y1, y2))
             ssm_pool[slot].copy_(h_end)
             out[s:e] = y + D[:, None] * xs
         y = out.view(-1, I)
