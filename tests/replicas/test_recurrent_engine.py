@@ -166,6 +166,28 @@ def test_a_follow_up_turn_resumes_from_the_latest_snapshot_with_identical_greedy
     assert follow_up.token_ids == reference.token_ids
 
 
+def test_new_requests_evict_cached_snapshots_and_every_answer_stays_exact(engine, uncached):
+    """7 slots: a finished request leaves snapshots at 64 and 96 cached (5
+    free); two new requests need 6, so the least recently used snapshot --
+    the deeper one, 96 -- is dropped; a repeat still resumes from 64."""
+    engine.reset_prefix_cache()
+    prompt = _prompt(80, 11)
+    first = engine.generate(prompt, _greedy(20))
+    kv = engine.scheduler.kv
+    assert (kv.recurrent.num_free, kv.cache.side_count(1)) == (5, 2)
+    conversation = prompt + first.token_ids[:19] + [7]
+    others = [_prompt(20, 12), _prompt(20, 13)]
+    streams = [engine.add_request(p, _greedy(8)) for p in others]
+    outs = [s.result() for s in streams]
+    # A's snapshot at 64 is left, and B's and C's own at 16 joined it.
+    assert kv.cache.side_count(1) == 3 and kv.recurrent.num_free == 4
+    assert [o.token_ids for o in outs] == [uncached.generate(p, _greedy(8)).token_ids for p in others]
+    assert kv.match(conversation).cached_len == 64, "the snapshot at 96 is gone"
+    again = engine.generate(prompt, _greedy(10))
+    assert again.usage.cached_tokens == 64
+    assert again.token_ids == uncached.generate(prompt, _greedy(10)).token_ids
+
+
 def test_a_shared_prefix_without_a_snapshot_is_recomputed(engine, uncached):
     engine.reset_prefix_cache()
     engine.generate(_prompt(80, 3), _greedy(4))

@@ -205,3 +205,29 @@ def test_aborts_mid_prefill_and_mid_decode_give_every_window_page_back(engine):
     assert kv.swa_pages.num_free + kv.cache.side_count(0) == engine.runner.num_swa_pages, (
         "every window page free or cached"
     )
+
+
+def test_a_full_window_pool_evicts_cached_window_pages_and_answers_stay_exact(model_dir, uncached):
+    """One request slot: a 10-page window pool. A finished 60-token request
+    leaves 3 window pages cached (7 free); a 300-token prompt holds 9 at its
+    peak, so two cached pages are dropped, the deepest first (their full
+    pages stay). A repeat of the short prompt then resumes after its first
+    page only, the one whose window page is left."""
+    e = LLMEngine(_config(model_dir, max_num_seqs=1), replica_id="window-small")
+    try:
+        assert e.runner.num_swa_pages == WINDOW // PAGE + 2 + CHUNK // PAGE
+        short = _prompt(60, 21)
+        e.generate(short, _greedy(4))
+        kv = e.scheduler.kv
+        assert kv.cache.side_count(0) == 3
+        long = _prompt(300, 22)
+        out = e.generate(long, _greedy(8))
+        assert out.token_ids == uncached.generate(long, _greedy(8)).token_ids
+        assert kv.cache.side_count(0) == 1 + 5, "one of short's left; long's last 5 joined"
+        again = e.generate(short, _greedy(4))
+        assert again.usage.cached_tokens == 16
+        assert again.token_ids == uncached.generate(short, _greedy(4)).token_ids
+        e.check_integrity()
+        e.check_idle()
+    finally:
+        e.shutdown()
