@@ -193,11 +193,15 @@ class TextContentPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One message of a chat. ``content`` is a string or a list of text parts."""
+    """One message of a chat. ``content`` is a string or a list of text parts.
+
+    ``developer`` is OpenAI's newer name for ``system`` (its API reference:
+    "developer messages replace system messages" for newer models); chat
+    templates know only ``system``, so it is rendered as one."""
 
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart]
     name: str | None = None
 
@@ -297,7 +301,7 @@ class ChatCompletionRequest(_Request):
 
     def chat_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them: ``[{"role", "content": str}]``."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
 
 
 class CompletionRequest(_Request):

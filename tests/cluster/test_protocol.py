@@ -168,6 +168,16 @@ def test_an_image_part_is_refused_at_its_message_content():
     )
 
 
+def test_a_developer_message_reaches_the_template_as_a_system_message():
+    request = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]}
+    )
+    assert request.chat_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+
+
 def test_a_tool_role_is_refused_at_its_role():
     error = refusal(ChatCompletionRequest, {"model": "m", "messages": [{"role": "tool", "content": "x"}]})
     assert error.param == "messages.0.role"
