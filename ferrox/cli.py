@@ -140,10 +140,34 @@ def _serve(ns: argparse.Namespace) -> int:
         else:
             ray.init(logging_level=logging.WARNING)
             started_ray = True
-    serve.start(http_options={"host": host, "port": port})
-    print(f">> deploying {parsed.model} on {parsed.num_replicas or 'autoscaled'} replica(s)...", flush=True)
-    t0 = time.time()
-    serve.run(build_app(parsed), name="ferrox", route_prefix="/", blocking=False)
+    # One handler from here on (after ray.init, which installs its own):
+    # while deploying, Ctrl-C interrupts the wait for the replicas; once
+    # serving, it ends the loop below. Either way the app and, if started
+    # here, the local Ray cluster are shut down.
+    stop = {"now": False, "serving": False}
+
+    def _handler(signum, frame):
+        stop["now"] = True
+        if not stop["serving"]:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, _handler)
+    signal.signal(signal.SIGTERM, _handler)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        print(f">> deploying {parsed.model} on {parsed.num_replicas or 'autoscaled'} replica(s)...", flush=True)
+        t0 = time.time()
+        serve.run(build_app(parsed), name="ferrox", route_prefix="/", blocking=False)
+        stop["serving"] = True
+    except KeyboardInterrupt:
+        print(">> interrupted while deploying; shutting down", flush=True)
+        try:
+            serve.shutdown()
+        finally:
+            if started_ray:
+                ray.shutdown()
+        print(">> stopped")
+        return 130
     url = f"http://{host}:{port}"
     name = parsed.served_model_name or parsed.model
     print(f">> ferrox is serving {name} at {url}/v1  (ready in {time.time() - t0:.0f}s)")
@@ -153,13 +177,6 @@ def _serve(ns: argparse.Namespace) -> int:
         f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], \"max_tokens\": 32}}'"
     )
     print(">> Ctrl-C to stop", flush=True)
-    stop = {"now": False}
-
-    def _handler(signum, frame):
-        stop["now"] = True
-
-    signal.signal(signal.SIGINT, _handler)
-    signal.signal(signal.SIGTERM, _handler)
     try:
         while not stop["now"]:
             time.sleep(0.2)

@@ -125,3 +125,40 @@ def test_ferrox_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
             rest, _ = proc.communicate()
     assert proc.returncode == 0, (rest or "")[-3000:]
     assert ">> stopped" in rest
+
+
+def test_ctrl_c_while_the_replicas_deploy_stops_ferrox_serve(tmp_path):
+    port = _free_port()
+    config = tmp_path / "serve.yaml"
+    data = yaml.safe_load((ROOT / "deploy/serve.yaml").read_text())
+    data["applications"][0]["args"]["engine"]["kv_cache_bytes"] = 64 << 20
+    data["applications"][0]["args"]["ray_actor_options"] = {"num_cpus": 0}
+    config.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    ferrox = Path(sys.executable).with_name("ferrox")
+    proc = subprocess.Popen(
+        [str(ferrox), "serve", "--config", str(config), "--replicas", "1", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if ">> deploying" in line:
+                break
+        assert any(">> deploying" in line for line in lines), "".join(lines)[-3000:]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rest, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rest, _ = proc.communicate()
+    assert proc.returncode == 130, (rest or "")[-3000:]
+    assert ">> interrupted while deploying; shutting down" in rest and ">> stopped" in rest
+    assert "Ctrl-C to stop" not in rest, "it never reported serving"
