@@ -193,15 +193,17 @@ class KVManager:
         Recurrent slots are taken in phase two (:meth:`allocate`), as they
         may evict cached snapshots.
 
-        ``expected_cached_len`` (what the planner was told) is checked: the
-        two must agree, or the planner's reservation was computed on a
-        different prefix.
+        ``expected_cached_len`` is what the planner admitted the request
+        with: 0 means uncached (the planner may decline a hit, see
+        ``planner.py``), and nothing is matched or locked; otherwise the
+        match must agree, or the planner's reservation was computed on a
+        different prefix. ``None`` (direct use) takes whatever matches.
         """
         if uid in self._requests:
             raise ValueError(f"request {uid} is already admitted")
         mem = RequestMemory(uid)
         path: tuple[RadixNode, ...] = ()
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and expected_cached_len != 0:
             m = self.cache.match(prompt, usable=self._usable)
             if expected_cached_len is not None and m.cached_len != expected_cached_len:
                 raise AssertionError(

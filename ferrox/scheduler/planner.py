@@ -30,7 +30,9 @@ Decided here, on top of the seed's admission rules (``admission.py``):
   against that reservation (what it locks leaves the evictable room by as
   much as its outstanding need shrinks), and its recurrent snapshot, like
   its full pages, is evictable room until the admission locks it, so no
-  room for the prompt that locks it.
+  room for the prompt that locks it; a hit whose snapshot the request
+  cannot afford to lock beside its own three slots is declined (the
+  request runs uncached) rather than left to wait for room only it holds.
 - Requests that can never run -- prompt + output beyond the context length,
   beyond the whole KV pool, beyond the window or recurrent pool -- are
   refused at arrival with the numbers, never left waiting forever.
@@ -391,6 +393,12 @@ class StepPlanner:
                         recurrent_slots=cap.recurrent_slots - hit.recurrent_evictable,
                     )
                 refusal = pass_.check_admission(request, cached, seat)
+                if refusal is NotAdmitted.RECURRENT_BUDGET and hit.recurrent_evictable:
+                    # Locking the hit's snapshot would take a slot the request
+                    # itself needs (a small pool): run it uncached instead
+                    # of waiting for room that only its own hit holds.
+                    hit, cached = NO_HIT, 0
+                    refusal = pass_.check_admission(request, 0, cap)
                 if refusal is None and windowed:
                     reserve = self.window_reserve(request.prompt_len, request.output_len)
                     if reserve > swa_avail - pass_.reserved_swa:

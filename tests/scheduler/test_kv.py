@@ -128,8 +128,15 @@ def test_admitting_a_request_twice_is_an_error():
 def test_admission_checks_the_prefix_the_planner_was_told():
     kv = KVManager(P, 8)
     finished(kv, 1, tokens(0, 8))
-    with pytest.raises(AssertionError, match=r"changed between planning \(0\) and admission \(8\)"):
-        kv.admit(2, tokens(0, 9), expected_cached_len=0)
+    with pytest.raises(AssertionError, match=r"changed between planning \(4\) and admission \(8\)"):
+        kv.admit(2, tokens(0, 9), expected_cached_len=4)
+
+
+def test_a_request_the_planner_admitted_uncached_locks_nothing():
+    kv = KVManager(P, 8)
+    finished(kv, 1, tokens(0, 8))
+    assert kv.admit(2, tokens(0, 9), expected_cached_len=0) == 0
+    assert kv.request(2).pages == [] and kv.cache.evictable_tokens == 8
 
 
 def test_a_recurrent_request_takes_three_slots_when_its_pages_are_allocated_and_gives_them_back():

@@ -223,3 +223,16 @@ def test_cached_window_pages_are_evicted_when_the_window_pool_runs_short():
     # Request 2 kept pages for 8..20 after its window slid: cached with its full pages.
     assert s.kv.cache.side_count(SIDE_WINDOW) == 4 and s.kv.swa_pages.num_free == 2
     s.kv.check_idle()
+
+
+def test_a_hit_whose_snapshot_the_pool_cannot_also_hold_runs_uncached():
+    # Found by the property tests: 3 slots, two cached snapshots (at 1 and 2)
+    # and one free. Locking the one at 1 would leave 2 for a request that
+    # needs 3, so the hit is declined; both snapshots are evicted instead.
+    s = scheduler(page_size=1, num_pages=8, max_slots=1, max_prefill_tokens=1, recurrent=True, num_recurrent_slots=3)
+    run(s, 0, [7, 8], 1)
+    assert s.kv.match([7, 9]).cached_len == 1 and s.kv.cache.side_count(SIDE_STATE) == 2
+    steps = run(s, 1, [7, 9], 1)
+    assert steps[0].seqs[0].admission == (2, 0)
+    assert steps[0].seqs[0].restore_slot == -1
+    s.kv.check_idle()
