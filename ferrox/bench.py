@@ -5,7 +5,12 @@ Workload W (issue 3): 64 chat prompts "Write a long story about the number
 Reports, in one run and side by side: output tok/s at concurrency 1 (the
 first ``--single`` prompts one at a time) and at concurrency 64 (all at
 once), for ferrox's engine and for ``transformers`` ``generate`` (batch 64,
-left-padded), their ratios, and peak RSS.
+left-padded), their ratios, and peak RSS. Each side names the dtype and
+quantization it ran: ferrox's are the engine's (``--dtype``,
+``--quantization``, "auto" by default: bfloat16 plus GGUF int4 for small
+steps on a CPU with AMX-BF16), transformers runs float32 as the issue
+specifies, and ``--transformers-bf16`` adds a bfloat16 transformers run for
+a like-for-like comparison.
 
 A benchmark, not a test: it prints figures and asserts nothing about speed.
 """
@@ -102,6 +107,7 @@ def run_offline(ns: argparse.Namespace) -> int:
     files = resolve_model(ns.model)
     prompts = [_encode(load_tokenizer(files), m) for m in workload(ns.prompts)]
     config = EngineConfig(model=ns.model, device=ns.device, torch_threads=threads,
+                          dtype=getattr(ns, "dtype", "auto"), quantization=getattr(ns, "quantization", "auto"),
                           max_num_seqs=max(64, ns.prompts), max_prefill_tokens=2048,
                           kv_cache_bytes=workload_kv_bytes(files.config, prompts, ns.max_tokens))
     engine = LLMEngine(config)
@@ -117,10 +123,18 @@ def run_offline(ns: argparse.Namespace) -> int:
 
     engine.runner.execute = _tracking
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=0.0, ignore_eos=True)
-    weights_mb = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()) / 2**20
+    model = engine.runner.model
+    weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    int4 = getattr(model, "int4", None) or []
+    int4_mb = sum(lin.nbytes for layer in int4 for lin in layer) / 2**20
     kv_mb = engine.runner.num_pages * engine.runner.bytes_per_page() / 2**20
-    print(f"model {engine.model_name}: {weights_mb:.0f} MB weights ({engine.runner.dtype}), "
-          f"KV pool {kv_mb:.0f} MB, {threads} threads, device {engine.runner.device}")
+    quant = engine.runner.quantization
+    if quant != "none":
+        quant += f" ({int4_mb:.0f} MB, steps of <= {model.int4_max_tokens} tokens)"
+    print(f"model {engine.model_name}: {weights_mb:.0f} MB weights, {threads} threads, device {engine.runner.device}, "
+          f"KV pool {kv_mb:.0f} MB")
+    print(f"ferrox        dtype {str(engine.runner.dtype).removeprefix('torch.')}, quantization {quant}")
+    weights_mb += int4_mb
 
     # Warm-up (first-call allocations), not timed.
     engine.generate(prompts[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -152,35 +166,49 @@ def run_offline(ns: argparse.Namespace) -> int:
     engine.shutdown()
 
     if not ns.skip_transformers:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         path = engine.files.path
         tok = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        model.eval()
-        gen = dict(max_new_tokens=ns.max_tokens, min_new_tokens=ns.max_tokens, do_sample=False,
-                   pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        with torch.inference_mode():
-            model.generate(torch.tensor([prompts[0]]), **{**gen, "max_new_tokens": 4, "min_new_tokens": 4})
-            t0 = time.perf_counter()
-            produced = 0
-            for ids in prompts[: ns.single]:
-                out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **gen)
-                produced += out.shape[1] - len(ids)
-            results["hf_c1"] = produced / (time.perf_counter() - t0)
-            print(f"transformers  concurrency 1 : {results['hf_c1']:7.1f} tok/s", flush=True)
-            width = max(len(p) for p in prompts)
-            pad = gen["pad_token_id"]
-            input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            t0 = time.perf_counter()
-            out = model.generate(input_ids, attention_mask=mask, **gen)
-            elapsed = time.perf_counter() - t0
-            results["hf_cN"] = (out.shape[1] - width) * len(prompts) / elapsed
-            print(f"transformers  batch {len(prompts)}      : {results['hf_cN']:7.1f} tok/s", flush=True)
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        runs = [("transformers", torch.float32)]
+        if getattr(ns, "transformers_bf16", False):
+            runs.append(("transformers", torch.bfloat16))
+        for label, dtype in runs:
+            print(f"{label:<13} dtype {str(dtype).removeprefix('torch.')}, quantization none", flush=True)
+            key = "hf" if dtype == torch.float32 else "hf_bf16"
+            results[f"{key}_c1"], results[f"{key}_cN"] = _transformers(path, dtype, prompts, ns, pad, label)
         print()
         print(f"{'':14}{'ferrox':>10}{'transformers':>14}{'ratio':>8}")
         print(f"{'concurrency 1':14}{results['ferrox_c1']:10.1f}{results['hf_c1']:14.1f}{results['ferrox_c1'] / results['hf_c1']:8.2f}")
         print(f"{'concurrency ' + str(len(prompts)):14}{results['ferrox_cN']:10.1f}{results['hf_cN']:14.1f}"
               f"{results['ferrox_cN'] / results['hf_cN']:8.2f}")
     return 0
+
+
+def _transformers(path, dtype, prompts: list[list[int]], ns: argparse.Namespace, pad: int, label: str) -> tuple[float, float]:
+    """transformers ``generate`` on W in ``dtype``: (tok/s at concurrency 1, tok/s at batch len(prompts))."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.eval()
+    gen = dict(max_new_tokens=ns.max_tokens, min_new_tokens=ns.max_tokens, do_sample=False, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompts[0]]), **{**gen, "max_new_tokens": 4, "min_new_tokens": 4})
+        t0 = time.perf_counter()
+        produced = 0
+        for ids in prompts[: ns.single]:
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), **gen)
+            produced += out.shape[1] - len(ids)
+        c1 = produced / (time.perf_counter() - t0)
+        print(f"{label:<13} concurrency 1 : {c1:7.1f} tok/s", flush=True)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        t0 = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=mask, **gen)
+        elapsed = time.perf_counter() - t0
+        cn = (out.shape[1] - width) * len(prompts) / elapsed
+        print(f"{label:<13} batch {len(prompts)}      : {cn:7.1f} tok/s", flush=True)
+    return c1, cn

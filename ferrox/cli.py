@@ -34,6 +34,8 @@ def _generate(ns: argparse.Namespace) -> int:
         device=ns.device,
         torch_threads=ns.threads,
         attention_backend=ns.attention_backend,
+        dtype=ns.dtype,
+        quantization=ns.quantization,
     )
     engine = LLMEngine(config)
     try:
@@ -238,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--threads", type=int)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    p.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf_int4"))
     p.add_argument("--max-prefill-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30)
     p.set_defaults(func=_generate)
@@ -254,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tiny", choices=("window", "hybrid"),
                    help="write a tiny random model of that family to a temp dir and bench it (--model ignored)")
     b.add_argument("--device", default="auto")
+    b.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="ferrox's dtype (auto: bfloat16 on CPUs with AMX-BF16, else float32)")
+    b.add_argument("--quantization", default="auto", choices=("auto", "none", "gguf_int4"),
+                   help="ferrox's weight quantization (auto: GGUF int4 for small steps where it can run)")
+    b.add_argument("--transformers-bf16", action="store_true",
+                   help="also run transformers in bfloat16 (the issue's comparison stays float32)")
     b.set_defaults(func=_bench)
 
     p = sub.add_parser("grafana", help="Grafana dashboard")

