@@ -100,6 +100,7 @@ def run_offline(ns: argparse.Namespace) -> int:
     from ferrox.replicas.types import SamplingParams
 
     from ferrox.replicas.loader import load_tokenizer, resolve_model
+    from ferrox.scheduler.radix import SIDE_STATE, SIDE_WINDOW
 
     threads = ns.threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -113,12 +114,18 @@ def run_offline(ns: argparse.Namespace) -> int:
     engine = LLMEngine(config)
     # Peak use of the window and recurrent pools, read before every forward pass.
     kv = engine.scheduler.kv
-    peak = {"swa": 0, "recurrent": 0}
+    # Held by requests, and held in all (requests + the prefix cache's
+    # window pages / snapshots, which are evictable).
+    peak = {"swa": 0, "recurrent": 0, "swa_all": 0, "recurrent_all": 0}
     execute = engine.runner.execute
 
     def _tracking(step, states):
-        peak["swa"] = max(peak["swa"], kv.swa_pages.num_pages - kv.swa_pages.num_free)
-        peak["recurrent"] = max(peak["recurrent"], kv.recurrent.num_pages - kv.recurrent.num_free)
+        swa_all = kv.swa_pages.num_pages - kv.swa_pages.num_free
+        rec_all = kv.recurrent.num_pages - kv.recurrent.num_free
+        peak["swa_all"] = max(peak["swa_all"], swa_all)
+        peak["recurrent_all"] = max(peak["recurrent_all"], rec_all)
+        peak["swa"] = max(peak["swa"], swa_all - kv.cache.side_count(SIDE_WINDOW))
+        peak["recurrent"] = max(peak["recurrent"], rec_all - kv.cache.side_count(SIDE_STATE))
         return execute(step, states)
 
     engine.runner.execute = _tracking
@@ -156,10 +163,12 @@ def run_offline(ns: argparse.Namespace) -> int:
           flush=True)
     engine.check_integrity()
     if engine.runner.num_swa_pages:
-        print(f"window pool peak: {peak['swa']} of {engine.runner.num_swa_pages} pages "
-              f"({peak['swa'] * engine.page_size} tokens, window {engine.runner.sliding_window})")
+        print(f"window pool peak: {peak['swa']} of {engine.runner.num_swa_pages} pages held by requests "
+              f"({peak['swa'] * engine.page_size} tokens, window {engine.runner.sliding_window}); "
+              f"{peak['swa_all']} with the prefix cache's")
     if engine.runner.num_recurrent_slots:
-        print(f"recurrent pool peak: {peak['recurrent']} of {engine.runner.num_recurrent_slots} slots")
+        print(f"recurrent pool peak: {peak['recurrent']} of {engine.runner.num_recurrent_slots} slots held by "
+              f"requests; {peak['recurrent_all']} with the prefix cache's snapshots")
     ferrox_rss = _rss_mb()
     print(f"peak RSS after ferrox: {ferrox_rss:.0f} MB (start {rss0:.0f} MB; weights + KV + 600 MB = "
           f"{rss0 + weights_mb + kv_mb + 600:.0f} MB)")
