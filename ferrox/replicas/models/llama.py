@@ -35,6 +35,16 @@ Formulas, each as transformers implements it:
 - Sliding window (Mistral; Qwen2 per ``layer_types``): query at position
   ``p`` sees keys at ``p - W < k <= p``.
 
+In a bfloat16 (or float16) model the **residual stream stays float32**:
+each block's normed input is cast to the model dtype for its matmuls and
+its output is added into the float32 stream (the float32 model instead
+fuses that add into the matmul). transformers keeps the stream in the
+model dtype; on SmolLM2 that rounds away enough of thirty layers' small
+updates to flip near-tied greedy choices (its bfloat16 logits are 0.20 off
+float32 on average on a chat prompt, a bfloat16 stream here 0.23, the
+float32 stream 0.13; tests/replicas/test_loader.py), for an elementwise
+cost that does not show in a decode step.
+
 Optionally (:meth:`LlamaForCausalLM.load_q4`, ``quantization="gguf_int4"``)
 the linear layers are also held as a GGUF's own 4-bit codes and steps of at
 most ``int4_max_tokens`` query tokens run them through the weight-only int4
@@ -280,12 +290,14 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------------ forward
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as transformers computes it: in float32, cast back, then times the gain."""
-        if x.dtype == torch.float32:
+        """RMSNorm as transformers computes it: in float32, cast to the model
+        dtype, then times the gain. ``x`` is the residual stream (float32 for
+        every model dtype); the result is in the model dtype."""
+        if self.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        return weight * xf.to(self.dtype)
 
     def rope_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE tables for int64 ``positions [T]``: ``cos`` and signed ``sin``, each ``[T, 1, head_dim]`` in the model dtype.
@@ -329,8 +341,13 @@ class LlamaForCausalLM(nn.Module):
         norm = self._norm
 
         int4 = self.int4 if self.int4 is not None and num_tokens <= self.int4_max_tokens else None
-        # Residual adds ride on the matmuls (addmm with beta=1) where there is no bias.
-        x = F.embedding(input_ids, self.embed_tokens)
+        # The residual stream stays float32 whatever the model dtype (a
+        # bfloat16 stream loses the small updates of 30 layers; see the module
+        # docstring). In float32 the residual adds ride on the matmuls (addmm
+        # with beta=1) where there is no bias; otherwise each block's output
+        # is added into the float32 stream.
+        fused = self.dtype == torch.float32
+        x = F.embedding(input_ids, self.embed_tokens).float()
         for i, layer in enumerate(self.layers):
             if int4 is None:
                 qkv = F.linear(norm(x, layer.input_norm), layer.qkv_weight, layer.qkv_bias)
@@ -346,7 +363,7 @@ class LlamaForCausalLM(nn.Module):
             attn = attn.reshape(num_tokens, q_width)
             if int4 is not None:
                 x = x + o_q4(attn) if layer.o_bias is None else x + o_q4(attn) + layer.o_bias
-            elif layer.o_bias is None:
+            elif layer.o_bias is None and fused:
                 x = torch.addmm(x, attn, layer.o_weight.t())
             else:
                 x = x + F.linear(attn, layer.o_weight, layer.o_bias)
@@ -359,7 +376,7 @@ class LlamaForCausalLM(nn.Module):
             act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
             if int4 is not None:
                 x = x + down_q4(act) if layer.down_bias is None else x + down_q4(act) + layer.down_bias
-            elif layer.down_bias is None:
+            elif layer.down_bias is None and fused:
                 x = torch.addmm(x, act, layer.down_weight.t())
             else:
                 x = x + F.linear(act, layer.down_weight, layer.down_bias)
