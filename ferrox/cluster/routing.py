@@ -8,7 +8,12 @@ Decided here, as pure arithmetic over plain data (no ray, no torch, no I/O):
 - the order among the replicas that can: most leading prefix pages already
   cached there first (they skip that much prefill and reserve that much
   less), then the most KV headroom left after seating it, then replica id,
-  so equal inputs always give the same answer;
+  so equal inputs always give the same answer. A prefix hit counts only on
+  a replica whose load (running + waiting + routed since its snapshot) is
+  within :data:`PREFIX_IMBALANCE_REQUESTS` of the least loaded one that can
+  seat the request (SGLang's cache-aware router has the same guard): a page
+  every request shares -- a chat template's default system prompt -- would
+  otherwise pull all traffic onto whichever replica cached it first;
 - the order among those that cannot: the shortest expected wait
   (:func:`expected_wait_s`), then the fewest waiting requests, then id;
 - what to do when snapshots are missing or stale: rank by queue length, and
@@ -51,6 +56,13 @@ Outcome = Literal["seat_fit", "prefix_hit", "wait", "fallback"]
 
 RECURRENT_SLOTS_PER_REQUEST = 3
 """Recurrent-state slots a request takes: live state plus two ping-pong snapshots (DESIGN.md)."""
+
+PREFIX_IMBALANCE_REQUESTS = 4
+"""How many more requests (running + waiting + routed since the snapshot) a
+replica may carry than the least loaded one that can seat a request, and
+still be preferred for a prefix hit. After SGLang's cache-aware router
+(``balance_abs_threshold``, 32 there for GPU batch sizes), scaled to the
+small batches of CPU replicas."""
 
 MIN_DECODE_TOKENS_PER_S = 1.0
 """Floor on a snapshot's decode rate in wait estimates, tokens/s.
@@ -133,6 +145,8 @@ class Assessment:
     headroom_tokens: int
     wait_s: float
     waiting_requests: int
+    #: Running + waiting requests in the snapshot plus those routed since.
+    load: int = 0
 
 
 @dataclass(frozen=True)
@@ -286,6 +300,7 @@ def assess(
         headroom_tokens=headroom,
         wait_s=wait,
         waiting_requests=snap.waiting_requests,
+        load=snap.running_requests + snap.waiting_requests + routed_n,
     )
 
 
@@ -312,7 +327,8 @@ def rank_replicas(
     ``healthy``. The ranking is four tiers, each fully ordered:
 
     1. fresh and can seat it now (:func:`assess`): most leading prefix-hit
-       pages, then most headroom, then replica id;
+       pages (counted only within :data:`PREFIX_IMBALANCE_REQUESTS` of the
+       least loaded), then most headroom, then replica id;
     2. no usable snapshot (missing or stale): fewest queued, then id. These
        go before replicas known to be full: a replica without a snapshot is
        most often one that has just started (an autoscaling step taken
@@ -342,7 +358,12 @@ def rank_replicas(
         else:
             a = assess(request, c, min_decode_tokens_per_s)
             (seatable if a.can_seat else waiting).append(a)
-    seatable.sort(key=lambda a: (-a.hit_pages, -a.headroom_tokens, a.replica_id))
+    if seatable:
+        least = min(a.load for a in seatable)
+        balanced = {a.replica_id for a in seatable if a.load - least <= PREFIX_IMBALANCE_REQUESTS}
+        seatable.sort(
+            key=lambda a: (-(a.hit_pages if a.replica_id in balanced else 0), -a.headroom_tokens, a.replica_id)
+        )
     unknown.sort(key=_queue_key)
     waiting.sort(key=lambda a: (a.wait_s, a.waiting_requests, a.replica_id))
     unhealthy.sort(key=_queue_key)
@@ -355,7 +376,8 @@ def rank_replicas(
     assessments = {a.replica_id: a for a in seatable + waiting}
     if seatable:
         best = seatable[0]
-        return Decision(ranking, "prefix_hit" if best.hit_pages > 0 else "seat_fit", best, assessments)
+        hit = best.hit_pages > 0 and best.replica_id in balanced
+        return Decision(ranking, "prefix_hit" if hit else "seat_fit", best, assessments)
     if unknown or not waiting:
         return Decision(ranking, "fallback", None, assessments)
     return Decision(ranking, "wait", waiting[0], assessments)
@@ -471,6 +493,7 @@ class RoutedLedger:
 
 
 __all__ = [
+    "PREFIX_IMBALANCE_REQUESTS",
     "Assessment",
     "Candidate",
     "Decision",

@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from ferrox.cluster.routing import (
+    PREFIX_IMBALANCE_REQUESTS,
     Candidate,
     RequestShape,
     RoutedLedger,
@@ -408,3 +409,18 @@ def test_a_burst_between_snapshots_alternates_between_equal_replicas():
         ledger.record(f"r{i}", d.ranking[0], d.best.need_tokens, at=10.0 + i)
         picks.append(d.ranking[0])
     assert picks == ["a", "b", "a", "b"]
+
+
+def test_a_prefix_hit_wins_only_while_its_replica_is_within_the_imbalance_bound():
+    # Found by a user test: SmolLM2's chat template puts a one-page default
+    # system prompt in every chat, so the replica that cached it first took
+    # every chat request while the other stayed idle.
+    request = RequestShape(prompt_len=30, max_tokens=16, prefix_hashes=(7,))
+    assert PREFIX_IMBALANCE_REQUESTS == 4
+    near = [cand("a", prefix_digest=(7,), running_requests=4, free_slots=4), cand("b")]
+    decision = rank_replicas(request, near, stale_after_s=STALE)
+    assert (decision.ranking, decision.outcome) == (("a", "b"), "prefix_hit")
+    far = [cand("a", prefix_digest=(7,), running_requests=4, free_slots=4, routed=(1, 32)), cand("b")]
+    decision = rank_replicas(request, far, stale_after_s=STALE)
+    assert (decision.ranking, decision.outcome) == (("b", "a"), "seat_fit")
+    assert (decision.assessments["a"].load, decision.assessments["b"].load) == (5, 0)
