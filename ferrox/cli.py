@@ -133,10 +133,17 @@ def _serve(ns: argparse.Namespace) -> int:
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     started_ray = False
+    address = ns.address or os.environ.get("RAY_ADDRESS")
+    if not ray.is_initialized() and not address:
+        # Ray's HTTP proxy binds with SO_REUSEPORT, so a second ferrox on a
+        # busy port would silently share it with the first; refuse instead.
+        busy = _port_in_use(host, port)
+        if busy:
+            print(f"error: cannot serve on {host}:{port}: {busy} (pick another with --port)", file=sys.stderr)
+            return 2
     if not ray.is_initialized():
         # Join a cluster only when told where it is: probing for one ("auto")
         # can latch onto a stale address and abort the process.
-        address = ns.address or os.environ.get("RAY_ADDRESS")
         if address:
             ray.init(address=address, logging_level=logging.WARNING)
         else:
@@ -146,10 +153,11 @@ def _serve(ns: argparse.Namespace) -> int:
     # while deploying, Ctrl-C interrupts the wait for the replicas; once
     # serving, it ends the loop below. Either way the app and, if started
     # here, the local Ray cluster are shut down.
-    stop = {"now": False, "serving": False}
+    stop = {"now": False, "serving": False, "signal": None}
 
     def _handler(signum, frame):
         stop["now"] = True
+        stop["signal"] = signum
         if not stop["serving"]:
             raise KeyboardInterrupt
 
@@ -163,11 +171,7 @@ def _serve(ns: argparse.Namespace) -> int:
         stop["serving"] = True
     except KeyboardInterrupt:
         print(">> interrupted while deploying; shutting down", flush=True)
-        try:
-            serve.shutdown()
-        finally:
-            if started_ray:
-                ray.shutdown()
+        _shutdown(serve, ray, started_ray, delete_app=False, terminated=stop["signal"] == signal.SIGTERM)
         print(">> stopped")
         return 130
     url = f"http://{host}:{port}"
@@ -184,14 +188,77 @@ def _serve(ns: argparse.Namespace) -> int:
             time.sleep(0.2)
     finally:
         print(">> shutting down", flush=True)
+        _shutdown(serve, ray, started_ray, delete_app=True, terminated=stop["signal"] == signal.SIGTERM)
+    print(">> stopped")
+    return 0
+
+
+#: Seconds ``ferrox serve`` waits for Serve and Ray to shut down before it exits anyway.
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound (a plain bind, no SO_REUSEPORT), or ``None``."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+            sock.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def _ray_head_alive() -> bool:
+    """Whether the GCS server and raylet this process started still run. A Ctrl-C
+    or SIGTERM sent to the whole process group (a terminal, ``timeout``,
+    ``docker stop``) also kills the Ray processes ``ray.init`` started as our
+    children; talking to the dead GCS would then block for a minute."""
+    import psutil
+
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return True
+    alive = set()
+    for child in children:
         try:
-            serve.delete("ferrox")
-            serve.shutdown()
+            if child.is_running() and child.status() != psutil.STATUS_ZOMBIE:
+                alive.add(child.name())
+        except psutil.Error:
+            continue
+    # The Serve controller lives in a worker of the raylet; both must be up.
+    return any("gcs_server" in n for n in alive) and any("raylet" in n for n in alive)
+
+
+def _shutdown(serve, ray, started_ray: bool, *, delete_app: bool, terminated: bool = False) -> None:
+    """Delete the app and stop Serve (and the local Ray cluster if we started
+    it), within :data:`SHUTDOWN_TIMEOUT_S`.
+
+    On SIGTERM (``terminated``) with a Ray cluster we started, Serve is not
+    asked to drain: SIGTERM is "stop now", the cluster goes with
+    ``ray.shutdown()`` anyway, and when the signal went to the whole process
+    group (``timeout``, ``docker stop``) Ray's agents are already dying, so
+    Serve calls would wait a minute on a half-dead cluster. Also skipped
+    when the Ray head is gone (:func:`_ray_head_alive`)."""
+    import threading
+
+    def work() -> None:
+        try:
+            if not started_ray or (not terminated and _ray_head_alive()):
+                if delete_app:
+                    serve.delete("ferrox")
+                serve.shutdown()
         finally:
             if started_ray:
                 ray.shutdown()
-    print(">> stopped")
-    return 0
+
+    thread = threading.Thread(target=work, name="ferrox-shutdown", daemon=True)
+    thread.start()
+    thread.join(SHUTDOWN_TIMEOUT_S)
+    if thread.is_alive():
+        print(f">> shutdown did not finish in {SHUTDOWN_TIMEOUT_S:.0f}s; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
 
 
 def _bench(ns: argparse.Namespace) -> int:
@@ -200,7 +267,10 @@ def _bench(ns: argparse.Namespace) -> int:
     if getattr(ns, "tiny", None):
         import tempfile
 
-        ns.model = write_tiny_model(ns.tiny, tempfile.mkdtemp(prefix=f"ferrox-tiny-{ns.tiny}-"))
+        # The tiny model lives only as long as the run (it is ~28 MB).
+        with tempfile.TemporaryDirectory(prefix=f"ferrox-tiny-{ns.tiny}-") as directory:
+            ns.model = write_tiny_model(ns.tiny, directory)
+            return run_offline(ns)
     return run_offline(ns)
 
 

@@ -79,5 +79,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     return ingress.bind(
         replica.bind(engine_config(parsed)),
         max_waiting_requests=parsed.ingress.max_waiting_requests,
+        max_request_bytes=parsed.ingress.max_request_bytes,
         replica_deployment=REPLICA_DEPLOYMENT,
     )

@@ -79,6 +79,9 @@ class IngressArgs(_Strict):
     max_waiting_requests: int = Field(
         1024, ge=1, description="requests in flight across the app before new ones get 503"
     )
+    max_request_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024, description="largest request body accepted, bytes; larger ones get 413"
+    )
 
 
 class AppArgs(_Strict):

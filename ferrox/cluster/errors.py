@@ -17,6 +17,16 @@ Decided here:
 - That error responses carry the ``x-request-id`` (and, once known,
   ``x-ferrox-replica``) headers: handlers read them from ``request.state``,
   where :mod:`ferrox.cluster.openai_app` puts them as soon as they exist.
+- That an error body can always be sent: strings in it that UTF-8 cannot
+  encode (a lone surrogate the client sent, echoed in a message) are shown
+  backslash-escaped (``\\ud800``), never left to fail the response's
+  encoding and turn it into a plain-text 500 (:func:`printable`). Log lines
+  built from request data go through the same function.
+- What a cancellation is (:func:`is_cancellation`): ``asyncio.CancelledError``
+  and Ray's ``TaskCancelledError`` family (Serve's ``RequestCancelledError``,
+  and a ``RayTaskError`` wrapping a cancellation), recognised by class name
+  so that this module needs no Ray. A client that goes away is normal: the
+  callers log it at INFO without a traceback and answer 499.
 
 Deliberately not here: which condition deserves which status (the callers
 decide) and any retry logic.
@@ -24,6 +34,7 @@ decide) and any retry logic.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -61,14 +72,48 @@ def error_type_for(status_code: int) -> str:
     return "server_error" if status_code >= 500 else "invalid_request_error"
 
 
+def printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) backslash-escaped.
+
+    ``"a\\ud800b"`` (one lone surrogate) -> ``"a\\\\ud800b"`` (the six
+    characters ``\\ud800``); any other string is returned unchanged.
+    """
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(
     message: str,
     type: str = "invalid_request_error",
     param: str | None = None,
     code: str | int | None = None,
 ) -> dict[str, Any]:
-    """``{"error": {"message", "type", "param", "code"}}``: all four keys always present."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """``{"error": {"message", "type", "param", "code"}}``: all four keys always present,
+    every string UTF-8-encodable (:func:`printable`)."""
+    return {
+        "error": {
+            "message": printable(message),
+            "type": printable(type),
+            "param": None if param is None else printable(param),
+            "code": printable(code) if isinstance(code, str) else code,
+        }
+    }
+
+
+_CANCELLATION_NAMES = frozenset({"TaskCancelledError", "RequestCancelledError"})
+
+
+def is_cancellation(exc: BaseException) -> bool:
+    """Whether ``exc`` means the request was cancelled (in ferrox: its client went away).
+
+    True for ``asyncio.CancelledError`` and for Ray's ``TaskCancelledError``
+    and its subclasses (Serve's ``RequestCancelledError``, ``RayTaskError``
+    wrappers of either), matched by class name so that no Ray import is needed.
+    """
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    return any(cls.__name__ in _CANCELLATION_NAMES for cls in type(exc).__mro__)
 
 
 class OpenAIError(Exception):
@@ -235,15 +280,19 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     return error_response(request, error)
 
 
+def cancelled_error() -> OpenAIError:
+    """The answer to a cancelled request: 499 (nginx's "client closed request");
+    rarely read, as its client has usually gone."""
+    return OpenAIError(499, "The request was cancelled before it completed", code="request_cancelled")
+
+
 async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     headers = response_headers(request)
-    logger.exception(
-        "unhandled error in %s %s (request id %s)",
-        request.method,
-        request.url.path,
-        headers.get(REQUEST_ID_HEADER),
-        exc_info=exc,
-    )
+    where = (printable(request.method), printable(request.url.path), headers.get(REQUEST_ID_HEADER))
+    if is_cancellation(exc):
+        logger.info("%s %s (request id %s) was cancelled: %s", *where, type(exc).__name__)
+        return error_response(request, cancelled_error())
+    logger.exception("unhandled error in %s %s (request id %s)", *where, exc_info=exc)
     message = "The server had an error while processing your request"
     if REQUEST_ID_HEADER in headers:
         message += f" (request id {headers[REQUEST_ID_HEADER]})"

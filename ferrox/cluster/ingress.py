@@ -9,7 +9,10 @@ reaches the replicas through a Serve :class:`DeploymentHandle`:
   becomes an :class:`OpenAIError` with that status. A replica that fails
   mid-stream ends the stream with an error chunk, never a hang. Closing the
   stream early (client disconnect) cancels the replica call, which aborts
-  the request there and frees its memory.
+  the request there and frees its memory. A cancellation of the replica
+  call (Serve cancels it when the client goes away) is re-raised as it is,
+  not reported as a failed replica: the OpenAI layer logs it at INFO.
+- Request bodies over ``max_request_bytes`` (``IngressArgs``) get 413.
 - Waiting work is bounded: more than ``max_waiting_requests`` requests in
   flight through this ingress replica get 503 with ``Retry-After``.
 - Health and capacity ask every replica actor of the app directly (Serve's
@@ -31,7 +34,8 @@ from ray.serve.handle import DeploymentHandle
 from ferrox.replicas.loader import load_tokenizer, resolve_model
 from ferrox.replicas.types import GenerateRequest, TokenChunk
 
-from .errors import OpenAIError
+from .config import IngressArgs
+from .errors import OpenAIError, is_cancellation
 from .metrics import HttpMetrics, instrument_asgi
 from .openai_app import create_app
 
@@ -96,6 +100,8 @@ class ServeBackend:
             except (asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as exc:  # the replica died or the call failed mid-stream
+                if is_cancellation(exc):  # the client went away: Serve cancelled the call
+                    raise
                 log.warning("request %s failed in its replica: %r", request.request_id, exc)
                 finished = True
                 yield TokenChunk(request.request_id, finish_reason="abort",
@@ -141,7 +147,8 @@ class FerroxIngress:
     """Serve ingress deployment class; its ASGI app is built per replica."""
 
     async def __init__(self, replica: DeploymentHandle, max_waiting_requests: int = 1024,
-                       replica_deployment: str = "FerroxReplica") -> None:
+                       replica_deployment: str = "FerroxReplica",
+                       max_request_bytes: int = IngressArgs.model_fields["max_request_bytes"].default) -> None:
         info = await replica.info.remote()
         files = resolve_model(info["model_path"])
         tokenizer = load_tokenizer(files)
@@ -150,9 +157,10 @@ class FerroxIngress:
         except Exception:
             app_name = ""
         self.backend = ServeBackend(replica, info, tokenizer, max_waiting_requests, app_name, replica_deployment)
+        self.max_request_bytes = max_request_bytes
 
     def __serve_build_asgi_app__(self):
-        app = _without_own_request_id(create_app(self.backend))
+        app = _without_own_request_id(create_app(self.backend, max_request_bytes=self.max_request_bytes))
         # Each response counted by endpoint and status (ray_ferrox_http_requests_total).
         return instrument_asgi(app, HttpMetrics.create(self.backend.model_name))
 

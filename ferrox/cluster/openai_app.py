@@ -3,13 +3,35 @@
 Decided here, for /v1/completions and /v1/chat/completions:
 
 - The order of checks, cheapest first, each failing with an OpenAI-style
-  error: JSON and field validation (400, :mod:`ferrox.cluster.protocol`),
-  the model name (404), the chat template / tokenization, an empty prompt
-  (400), token ids outside the vocabulary (400), and the length check
-  (400) of prompt + output budget against both the model's context
-  (``max_model_len``) and the largest replica's KV pool
+  error: the body's size (413 ``request_too_large`` past
+  ``max_request_bytes``, from ``Content-Length`` before reading and from
+  the bytes read), JSON, valid Unicode in every string (400 naming the
+  field, :func:`ferrox.cluster.protocol.lone_surrogate`) and field
+  validation (400, :mod:`ferrox.cluster.protocol`), the model name (404),
+  the chat template, a lower bound on the prompt's tokens (below), the
+  tokenization, an empty prompt (400), token ids outside the vocabulary
+  (400), and the length check (400) of prompt + output budget against both
+  the model's context (``max_model_len``) and the largest replica's KV pool
   (``max_seatable_tokens``), the message giving both numbers as vLLM and
   OpenAI do. A request that fails any of these never reaches a replica.
+- Tokenization is serialized (one tokenizer, one lock), so a prompt that
+  takes seconds to tokenize would hold up every other request. Before
+  tokenizing, a text's token count is bounded from below by
+  ``ceil(chars / L)``, ``L`` the longest vocabulary entry in characters
+  (computed once per tokenizer, :func:`_longest_token`), ``chars`` the
+  text's length after the tokenizer's normalizer; when that bound already
+  fails the length check the request is refused with the same message
+  saying "at least N tokens", untokenized. The bound is exact only where
+  each token covers at most ``L`` characters of the normalized text, so it
+  is used only for fast BPE tokenizers that are byte-level or byte-fallback
+  (no unknown-character token that swallows a run of text), whose
+  pre-tokenizer drops no text and whose added tokens strip no whitespace
+  (byte-level BPE as in GPT-2, Llama 3, Qwen and SmolLM2 qualifies); with
+  other tokenizers every prompt is tokenized. A prompt under the bound is
+  still tokenized under the lock, however long: the body limit is what
+  keeps that wait finite. The chat template is rendered outside the lock
+  (it needs no tokenizer state) and its text tokenized as
+  ``apply_chat_template(tokenize=True)`` would (``add_special_tokens=False``).
 - The output budget when the client gives none:
   ``min(default_max_tokens, max_model_len - prompt, max_seatable_tokens - prompt)``.
   The last term exists because replicas reserve prompt + budget at
@@ -30,6 +52,12 @@ Decided here, for /v1/completions and /v1/chat/completions:
 - That the backend's stream is always closed (``aclose``), shielded from
   cancellation, whether the request finishes, fails, or the client goes
   away mid-stream, so the backend can abort the request and free its slot.
+- That a cancelled request (:func:`ferrox.cluster.errors.is_cancellation`:
+  the client went away and Serve cancelled the calls made for it) is
+  logged at INFO without a traceback and answered 499, or ends a stream
+  with an error event; never logged as an unhandled error.
+- HEAD is answered wherever GET is (/health, /v1/models), as load
+  balancers' health probes use it.
 
 Deliberately not here: Ray. The app talks to a :class:`Backend`; the
 cluster's ingress implements it over Serve handles, tests over an
@@ -47,13 +75,14 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+import weakref
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import jinja2
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
@@ -63,7 +92,10 @@ from ferrox.cluster.errors import (
     REPLICA_HEADER,
     REQUEST_ID_HEADER,
     OpenAIError,
+    cancelled_error,
+    error_response,
     install_error_handlers,
+    is_cancellation,
     response_headers,
     validation_error,
 )
@@ -82,6 +114,7 @@ from ferrox.cluster.protocol import (
     ModelList,
     UsageInfo,
     chunk_dict,
+    lone_surrogate,
 )
 from ferrox.replicas.types import GenerateRequest, SamplingParams, TokenChunk
 from ferrox.scheduler.radix import page_hashes
@@ -92,6 +125,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _CLIENT_REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,256}$")  # printable ASCII, no spaces
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""The request body limit when none is given (``IngressArgs.max_request_bytes``'s default)."""
 
 
 class Backend(Protocol):
@@ -138,13 +174,54 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def _parse_body(request: Request, model: type[Any]) -> Any:
-    """The request body validated as ``model``; malformed JSON and invalid fields -> 400.
+def _too_large(limit: int, size: int | None) -> OpenAIError:
+    told = f"is {size} bytes" if size is not None else "is larger than that"
+    return OpenAIError(
+        413,
+        f"This server accepts request bodies of at most {limit} bytes; yours {told}",
+        code="request_too_large",
+    )
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) past ``limit`` bytes: by its
+    ``Content-Length`` before reading, and by the bytes read (a chunked body
+    or a wrong header)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit, int(declared))
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, None)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _unicode_error(data: Any) -> OpenAIError | None:
+    """The 400 for a string in the parsed body that is not valid Unicode, if there is one."""
+    found = lone_surrogate(data)
+    if found is None:
+        return None
+    path, is_key = found
+    where = f"'{path}'" if path is not None else "the request body"
+    if is_key:
+        message = f"A key in {where} contains a lone UTF-16 surrogate and is not valid Unicode"
+    else:
+        message = f"Invalid value for {where}: the string contains a lone UTF-16 surrogate and is not valid Unicode"
+    return OpenAIError(400, message, param=path, code="invalid_unicode")
+
+
+async def _parse_body(request: Request, model: type[Any], limit: int) -> Any:
+    """The request body validated as ``model``; too large -> 413, malformed JSON,
+    invalid Unicode and invalid fields -> 400.
 
     The body is parsed whatever its content-type (``curl -d`` sends
     form-urlencoded), and NaN / Infinity are refused as the JSON spec does.
     """
-    raw = await request.body()
+    raw = await _read_body(request, limit)
     if not raw.strip():
         raise OpenAIError(400, "The request body is missing; send a JSON object", code="missing_body")
     try:
@@ -153,6 +230,9 @@ async def _parse_body(request: Request, model: type[Any]) -> Any:
         raise OpenAIError(
             400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json"
         ) from None
+    unicode_error = _unicode_error(data)
+    if unicode_error is not None:
+        raise unicode_error
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -167,6 +247,47 @@ def _token_list(encoded: Any) -> list[int]:
     if encoded and isinstance(encoded[0], (list, tuple)):
         encoded = list(encoded[0])
     return [int(t) for t in encoded]
+
+
+# Pre-tokenizer parts that drop text (so a token could stand for more characters than it has).
+_DROPPING_PRE_TOKENIZERS = ('"Whitespace"', '"WhitespaceSplit"', '"BertPreTokenizer"', '"CharDelimiterSplit"',
+                            '"Removed"')
+_LONGEST_TOKEN: "weakref.WeakKeyDictionary[Any, int | None]" = weakref.WeakKeyDictionary()
+
+
+def _longest_token(tokenizer: Any) -> int | None:
+    """The longest vocabulary entry in characters, or ``None`` where ``ceil(chars / L)``
+    is not a sure lower bound on the token count (see the module docstring).
+
+    Vocabulary entries are measured as stored (byte-level BPE: one character
+    per byte, SentencePiece: ``▁`` per space), which is never less than their
+    decoded length. Cached per tokenizer.
+    """
+    try:
+        return _LONGEST_TOKEN[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest: int | None = None
+    try:
+        backend = tokenizer.backend_tokenizer
+        model = backend.model
+        pre = backend.pre_tokenizer.__getstate__().decode() if backend.pre_tokenizer is not None else "null"
+        usable = (
+            type(model).__name__ == "BPE"
+            and ('"ByteLevel"' in pre or bool(model.byte_fallback))
+            and not any(part in pre for part in _DROPPING_PRE_TOKENIZERS)
+            and not any(t.lstrip or t.rstrip for t in tokenizer.added_tokens_decoder.values())
+        )
+        if usable:
+            longest = max((len(token) for token in tokenizer.get_vocab()), default=0) or None
+    except Exception:  # a slow or unusual tokenizer: no bound, tokenize as before
+        logger.debug("no token-count lower bound for this tokenizer", exc_info=True)
+        longest = None
+    try:
+        _LONGEST_TOKEN[tokenizer] = longest
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return longest
 
 
 async def _aclose(stream: Any) -> None:
@@ -221,14 +342,23 @@ class _ClosingStreamingResponse(StreamingResponse):
             await _aclose(self.body_iterator)
 
 
+def _for_method(request: Request, response: Response) -> Response:
+    """``response``, without its body for a HEAD request (status and headers, the
+    GET body's ``content-length`` included, are kept: RFC 9110 section 9.3.2)."""
+    if request.method != "HEAD":
+        return response
+    return Response(status_code=response.status_code, headers=dict(response.headers))
+
+
 # ------------------------------------------------------------------------ the app
 
 
 class _Frontend:
     """The request handling behind the routes; one per app."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, max_request_bytes: int) -> None:
         self.backend = backend
+        self.max_request_bytes = max_request_bytes
         # Tokenization runs in worker threads (long prompts would stall every
         # stream on the event loop); one at a time, because a fast tokenizer's
         # Rust object refuses concurrent use ("Already borrowed").
@@ -255,21 +385,46 @@ class _Frontend:
                 code="model_not_found",
             )
 
-    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        try:
+    def _min_tokens(self, text: str) -> int | None:
+        """A sure lower bound on ``text``'s token count, or ``None`` (see the module docstring)."""
+        tokenizer = self.backend.tokenizer
+        longest = _longest_token(tokenizer)
+        if longest is None:
+            return None
+        normalizer = tokenizer.backend_tokenizer.normalizer
+        if normalizer is not None:
             with self._tokenizer_lock:
-                encoded = self.backend.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
+                text = normalizer.normalize_str(text)
+        return -(-len(text) // longest)
+
+    def _encode(self, text: str, check: Callable[[int], None], chat: bool) -> list[int]:
+        """``text``'s token ids, after ``check`` (raising) passed its lower bound.
+
+        Chat text is an already rendered template, so no special tokens are
+        added (as ``apply_chat_template(tokenize=True)`` does); a completion
+        prompt gets the tokenizer's default special tokens (a BOS where the
+        model wants one, none for SmolLM2).
+        """
+        bound = self._min_tokens(text)
+        if bound is not None:
+            check(bound)
+        with self._tokenizer_lock:
+            if chat:
+                return _token_list(self.backend.tokenizer(text, add_special_tokens=False))
+            return _token_list(self.backend.tokenizer(text))
+
+    def _render_chat(self, messages: list[dict[str, str]]) -> str:
+        try:
+            rendered = self.backend.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
         except jinja2.TemplateError as exc:
             # The template's raise_exception (e.g. "roles must alternate") is the client's problem.
             raise OpenAIError(400, f"The chat template rejected the messages: {exc}", param="messages") from None
-        return _token_list(encoded)
+        return str(rendered)
 
-    def _encode_text(self, prompt: str) -> list[int]:
-        # The tokenizer's default special tokens: a BOS where the model wants one, none for SmolLM2.
-        with self._tokenizer_lock:
-            return _token_list(self.backend.tokenizer(prompt))
+    def _encode_chat(self, messages: list[dict[str, str]], check: Callable[[int], None]) -> list[int]:
+        return self._encode(self._render_chat(messages), check, chat=True)
 
     def _check_vocab(self, token_ids: Sequence[int], param: str) -> None:
         vocab = len(self.backend.tokenizer)
@@ -284,11 +439,18 @@ class _Frontend:
                 code="invalid_value",
             )
 
-    def _output_budget(self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int, where: str) -> int:
-        """The request's max_tokens after the context and KV-pool checks (see module docstring)."""
+    def _output_budget(
+        self, body: CompletionRequest | ChatCompletionRequest, prompt_len: int, where: str, at_least: bool = False
+    ) -> int:
+        """The request's max_tokens after the context and KV-pool checks (see module docstring).
+
+        ``at_least``: ``prompt_len`` is a lower bound, not the count, and the
+        messages say so ("at least N tokens").
+        """
         context = self.backend.max_model_len
         seatable = self.backend.max_seatable_tokens()
         requested = body.requested_max_tokens
+        least = "at least " if at_least else ""
         if requested is not None:
             total = prompt_len + requested
             param = where if prompt_len >= context else body.max_tokens_param
@@ -296,7 +458,7 @@ class _Frontend:
                 raise OpenAIError(
                     400,
                     f"This model's maximum context length is {context} tokens. However, you requested "
-                    f"{total} tokens ({prompt_len} in the {where}, {requested} in the completion). "
+                    f"{least}{total} tokens ({least}{prompt_len} in the {where}, {requested} in the completion). "
                     f"Please reduce the length of the {where} or completion.",
                     param=param,
                     code="context_length_exceeded",
@@ -305,7 +467,7 @@ class _Frontend:
                 raise OpenAIError(
                     400,
                     f"This server's largest KV cache holds {seatable} tokens. However, you requested "
-                    f"{total} tokens ({prompt_len} in the {where}, {requested} in the completion). "
+                    f"{least}{total} tokens ({least}{prompt_len} in the {where}, {requested} in the completion). "
                     f"Please reduce the length of the {where} or completion.",
                     param=where if prompt_len >= seatable else body.max_tokens_param,
                     code="context_length_exceeded",
@@ -315,7 +477,7 @@ class _Frontend:
             raise OpenAIError(
                 400,
                 f"This model's maximum context length is {context} tokens. However, your {where} "
-                f"resulted in {prompt_len} tokens, which leaves no room for a completion. "
+                f"resulted in {least}{prompt_len} tokens, which leaves no room for a completion. "
                 f"Please reduce the length of the {where}.",
                 param=where,
                 code="context_length_exceeded",
@@ -324,7 +486,7 @@ class _Frontend:
             raise OpenAIError(
                 400,
                 f"This server's largest KV cache holds {seatable} tokens. However, your {where} "
-                f"resulted in {prompt_len} tokens, which leaves no room for a completion. "
+                f"resulted in {least}{prompt_len} tokens, which leaves no room for a completion. "
                 f"Please reduce the length of the {where}.",
                 param=where,
                 code="context_length_exceeded",
@@ -345,15 +507,17 @@ class _Frontend:
         self, request: Request, body: CompletionRequest | ChatCompletionRequest, request_id: str
     ) -> GenerateRequest:
         self._check_model(body.model)
+        where = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+
+        def check(bound: int) -> None:
+            self._output_budget(body, bound, where, at_least=True)
+
         if isinstance(body, ChatCompletionRequest):
-            where = "messages"
-            token_ids = await run_in_threadpool(self._encode_chat, body.chat_messages())
+            token_ids = await run_in_threadpool(self._encode_chat, body.chat_messages(), check)
+        elif isinstance(body.prompt, str):
+            token_ids = await run_in_threadpool(self._encode, body.prompt, check, False) if body.prompt else []
         else:
-            where = "prompt"
-            if isinstance(body.prompt, str):
-                token_ids = await run_in_threadpool(self._encode_text, body.prompt) if body.prompt else []
-            else:
-                token_ids = list(body.prompt)
+            token_ids = list(body.prompt)
         if not token_ids:
             raise OpenAIError(400, f"The {where} is empty", param=where, code="empty_prompt")
         self._check_vocab(token_ids, where)
@@ -397,8 +561,19 @@ class _Frontend:
 
     async def handle(self, request: Request, chat: bool) -> Any:
         request_id = self._request_id(request, "chatcmpl" if chat else "cmpl")
+        try:
+            return await self._handle(request, request_id, chat)
+        except Exception as exc:
+            # Ray's cancellations are Exceptions (some also asyncio.CancelledError):
+            # Starlette would log them as unhandled errors with a traceback.
+            if not is_cancellation(exc):
+                raise
+            logger.info("request %s was cancelled (the client went away): %s", request_id, type(exc).__name__)
+            raise cancelled_error() from None
+
+    async def _handle(self, request: Request, request_id: str, chat: bool) -> Any:
         created = int(time.time())
-        body = await _parse_body(request, ChatCompletionRequest if chat else CompletionRequest)
+        body = await _parse_body(request, ChatCompletionRequest if chat else CompletionRequest, self.max_request_bytes)
         gen_request = await self._prepare(request, body, request_id)
         iterator, first = await self._start(request, gen_request)
         headers = response_headers(request)
@@ -527,7 +702,12 @@ class _Frontend:
                 except OpenAIError as exc:
                     yield _sse(exc.body())
                     break
-                except Exception:
+                except Exception as exc:
+                    if is_cancellation(exc):
+                        logger.info("request %s was cancelled mid-stream (the client went away): %s",
+                                    rid, type(exc).__name__)
+                        yield _sse(cancelled_error().body())
+                        break
                     logger.exception("backend stream of %s failed", rid)
                     error = OpenAIError(
                         500,
@@ -547,17 +727,20 @@ class _Frontend:
         return ModelList(data=[ModelCard(id=self.backend.model_name, max_model_len=self.backend.max_model_len)])
 
 
-def create_app(backend: Backend) -> FastAPI:
+def create_app(backend: Backend, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """The OpenAI-compatible FastAPI app over ``backend``.
 
     Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE),
-    GET /v1/models, GET /v1/models/{model}, GET /health (200
+    GET|HEAD /v1/models, GET|HEAD /v1/models/{model}, GET|HEAD /health (200
     ``{"status": "ok"}`` or 503), GET /v1/capacity (the replicas' capacity
     snapshots as a JSON list). Every error is an OpenAI-style body
     (:func:`ferrox.cluster.errors.install_error_handlers`); completion
-    responses carry ``x-request-id`` and ``x-ferrox-replica``.
+    responses carry ``x-request-id`` and ``x-ferrox-replica``. Request
+    bodies over ``max_request_bytes`` get 413.
     """
-    frontend = _Frontend(backend)
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be at least 1, got {max_request_bytes}")
+    frontend = _Frontend(backend, max_request_bytes)
     app = FastAPI(title="ferrox", description="OpenAI-compatible LLM serving", version="0.1.0")
     app.state.backend = backend
     install_error_handlers(app)
@@ -570,25 +753,29 @@ def create_app(backend: Backend) -> FastAPI:
     async def chat_completions(request: Request) -> Any:
         return await frontend.handle(request, chat=True)
 
-    @app.get("/v1/models")
-    async def list_models() -> Any:
-        return JSONResponse(frontend.models().model_dump(mode="json"))
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    async def list_models(request: Request) -> Any:
+        return _for_method(request, JSONResponse(frontend.models().model_dump(mode="json")))
 
-    @app.get("/v1/models/{model:path}")
-    async def retrieve_model(model: str) -> Any:
-        frontend._check_model(model)
-        return JSONResponse(frontend.models().data[0].model_dump(mode="json"))
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    async def retrieve_model(request: Request, model: str) -> Any:
+        try:
+            frontend._check_model(model)
+        except OpenAIError as exc:
+            return _for_method(request, error_response(request, exc))
+        return _for_method(request, JSONResponse(frontend.models().data[0].model_dump(mode="json")))
 
-    @app.get("/health")
-    async def health() -> Any:
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    async def health(request: Request) -> Any:
         try:
             ok = bool(await backend.healthy())
         except Exception:
             logger.warning("health check failed", exc_info=True)
             ok = False
         if not ok:
-            raise OpenAIError(503, "The model backend is not healthy", type="server_error", code="unhealthy")
-        return {"status": "ok"}
+            error = OpenAIError(503, "The model backend is not healthy", type="server_error", code="unhealthy")
+            return _for_method(request, error_response(request, error))
+        return _for_method(request, JSONResponse({"status": "ok"}))
 
     @app.get("/v1/capacity")
     async def capacity() -> Any:
@@ -598,4 +785,4 @@ def create_app(backend: Backend) -> FastAPI:
     return app
 
 
-__all__ = ["Backend", "create_app", "REQUEST_ID_HEADER", "REPLICA_HEADER"]
+__all__ = ["Backend", "create_app", "DEFAULT_MAX_REQUEST_BYTES", "REQUEST_ID_HEADER", "REPLICA_HEADER"]

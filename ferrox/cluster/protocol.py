@@ -17,6 +17,17 @@ Decided here:
   can name it as the OpenAI error's ``param``. The "off" value of each
   (``n=1``, ``tools=[]``, ``tool_choice="none"``, ``logprobs=false``, ...) is
   accepted, because SDKs and proxies send those.
+- Request fields are strictly typed (``strict=True`` on every request
+  model), as OpenAI checks them: ``"max_tokens": "4"``, ``"max_tokens": true``,
+  ``"max_tokens": 4.0`` and ``"stream": "yes"`` are refused naming the
+  field, where pydantic's default would coerce them. An integer is still a
+  number (``"temperature": 1`` is accepted).
+- That every string in a request body must be valid Unicode
+  (:func:`lone_surrogate`): JSON may spell a lone UTF-16 surrogate
+  (``"\\ud800"``), which Python decodes into a ``str`` that no tokenizer
+  or response encoder accepts. The whole parsed body is checked, keys and
+  values, fields ferrox reads and fields it ignores, before validation, so
+  the refusal names the field wherever it is.
 - Unknown fields are ignored (``extra="ignore"``): the OpenAI SDK and
   clients built for newer API versions send fields we have no use for
   (``user``, ``store``, ``metadata``, ...), and refusing them would break
@@ -32,6 +43,7 @@ check (they need the tokenizer and the model's limits: see
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Literal
 
@@ -57,9 +69,58 @@ def _unsupported(field: str, detail: str) -> PydanticCustomError:
 
 # --------------------------------------------------------------------------- requests
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_surrogate(text: str) -> bool:
+    return not text.isascii() and _SURROGATE.search(text) is not None
+
+
+def lone_surrogate(data: Any) -> tuple[str | None, bool] | None:
+    """Where parsed JSON holds a string UTF-8 cannot encode (a lone surrogate), if anywhere.
+
+    Returns ``(path, is_key)`` for the first such string in document order:
+    ``path`` is the dotted path of the value (``"messages.0.content"``) or,
+    for an object key, of the object holding it (``None`` for the body
+    itself); ``None`` when every string is valid. Iterative, so it accepts
+    whatever depth the JSON parser accepted.
+    """
+    # Paths are linked (key, parent) pairs, joined only for the string found:
+    # constant work per node however deep the body nests.
+    Link = tuple[str, Any] | None
+
+    def dotted(link: Link) -> str | None:
+        keys: list[str] = []
+        while link is not None:
+            keys.append(link[0])
+            link = link[1]
+        return ".".join(reversed(keys)) or None
+
+    stack: list[tuple[Any, Link]] = [(data, None)]
+    while stack:
+        value, link = stack.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                return dotted(link), False
+        elif isinstance(value, dict):
+            children = []
+            for key, child in value.items():
+                if _has_surrogate(key):
+                    return dotted(link), True
+                if isinstance(child, (str, dict, list)):
+                    children.append((child, (key, link)))
+            stack.extend(reversed(children))
+        elif isinstance(value, list):
+            items = [(child, (str(i), link)) for i, child in enumerate(value) if isinstance(child, (str, dict, list))]
+            stack.extend(reversed(items))
+    return None
+
+
+_REQUEST_CONFIG = ConfigDict(extra="ignore", strict=True)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     include_usage: bool = False
 
@@ -67,7 +128,7 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """Fields shared by both endpoints. Field order matters: validators read earlier fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     model: str
     stream: bool = False
@@ -186,7 +247,7 @@ class _Request(BaseModel):
 
 
 class TextContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     type: Literal["text"]
     text: str
@@ -199,7 +260,7 @@ class ChatMessage(BaseModel):
     "developer messages replace system messages" for newer models); chat
     templates know only ``system``, so it is rendered as one."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart]
@@ -236,7 +297,7 @@ class ChatMessage(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _REQUEST_CONFIG
 
     type: str
 

@@ -21,7 +21,8 @@ Decided here:
 - Where the conversion lives and why it is safe to share:
   ``<cache_dir>/<gguf stem>-<key>``, ``cache_dir`` defaulting to
   ``$FERROX_CACHE_DIR`` or ``~/.cache/ferrox/models``, and ``key`` hashing the
-  file's size, mtime and :data:`CONVERTER_VERSION`. A conversion is written
+  file's size, samples of its content and :data:`CONVERTER_VERSION`
+  (:func:`_cache_key`; not its mtime, so a reinstall reuses the conversion). A conversion is written
   into a private temporary directory beside it and renamed into place in one
   ``os.rename``: a directory that exists is complete. Two processes
   converting at once both finish; the second rename fails harmlessly and
@@ -206,10 +207,24 @@ def resolve_model(
     )
 
 
+#: Bytes of the file read at each of its start, middle and end for its cache key.
+_KEY_SAMPLE_BYTES = 1 << 20
+
+
 def _cache_key(path: Path) -> str:
-    stat = path.stat()
-    raw = f"{stat.st_size}:{stat.st_mtime_ns}:{CONVERTER_VERSION}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:12]
+    """The GGUF's cache key: its size, 1 MiB from its start, middle and end,
+    and :data:`CONVERTER_VERSION` (sha256, 12 hex digits). Content, not the
+    modification time: the same file installed again (a fresh virtualenv)
+    reuses its conversion instead of adding another copy. Reading three
+    samples costs milliseconds; hashing the whole file would cost a
+    noticeable fraction of a second at every start."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(f"{size}:{CONVERTER_VERSION}".encode())
+    with open(path, "rb") as f:
+        for offset in sorted({0, max(size // 2 - _KEY_SAMPLE_BYTES // 2, 0), max(size - _KEY_SAMPLE_BYTES, 0)}):
+            f.seek(offset)
+            digest.update(f.read(_KEY_SAMPLE_BYTES))
+    return digest.hexdigest()[:12]
 
 
 def _from_gguf(path: Path, name: str, cache_dir: str | Path | None, progress: bool) -> ModelFiles:

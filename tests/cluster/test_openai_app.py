@@ -8,6 +8,7 @@ finish reason and token count below is known exactly in advance.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -23,9 +24,12 @@ import anyio
 import httpx
 import openai
 import pytest
+from ray.exceptions import RayTaskError, TaskCancelledError
+from ray.serve.exceptions import RequestCancelledError
 
+from ferrox.cluster.config import IngressArgs
 from ferrox.cluster.errors import OpenAIError
-from ferrox.cluster.openai_app import Backend, create_app
+from ferrox.cluster.openai_app import DEFAULT_MAX_REQUEST_BYTES, Backend, _longest_token, create_app
 from ferrox.replicas.types import CapacitySnapshot, GenerateRequest, TokenChunk, Usage
 from ferrox.scheduler.radix import page_hashes
 
@@ -41,6 +45,7 @@ HI_CHATML = (
 )
 HI_TOKENS = 31
 HELLO_WORLD = [19556, 905]  # "Hello world", no BOS for SmolLM2
+LONGEST_TOKEN = 81  # characters: SmolLM2's longest vocabulary entry, a newline and 80 spaces
 
 
 @pytest.fixture
@@ -89,7 +94,8 @@ class EchoBackend:
     - knobs: ``refuse`` (raised before the first chunk), ``fail_after`` (an
       error chunk after that many tokens), ``hang_after`` (wait forever after
       that many tokens, so only a disconnect ends the request), ``crash``
-      (raise an arbitrary exception from generate).
+      (raise an arbitrary exception from generate; after ``crash_after``
+      tokens if that is set, else before the first).
 
     It records each request it receives and each stream it saw closed.
     """
@@ -110,6 +116,7 @@ class EchoBackend:
         self.fail_after: int | None = None
         self.hang_after: int | None = None
         self.crash: Exception | None = None
+        self.crash_after: int | None = None
         self.is_healthy = True
 
     def max_seatable_tokens(self) -> int:
@@ -127,7 +134,7 @@ class EchoBackend:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk]:
         self.requests.append(request)
-        if self.crash is not None:
+        if self.crash is not None and self.crash_after is None:
             raise self.crash
         if self.refuse is not None:
             raise self.refuse
@@ -146,6 +153,8 @@ class EchoBackend:
                     return
                 if self.hang_after is not None and i == self.hang_after:
                     await anyio.sleep_forever()
+                if self.crash is not None and i == self.crash_after:
+                    raise self.crash
                 text = self.tokenizer.decode(output[: i + 1])
                 last = i == len(output) - 1
                 sent += 1
@@ -809,3 +818,354 @@ async def test_json_nested_deeper_than_the_parser_allows_is_a_400_not_a_500(clie
     error = assert_error(response, 400, "invalid_request_error", None)
     assert error["code"] == "invalid_json"
     assert backend.requests == []
+
+
+# ------------------------------------------------------------------ strings that are not valid Unicode
+
+
+def raw_post(client: httpx.AsyncClient, path: str, body: str) -> Any:
+    """POST ``body`` as written (JSON escapes such as ``\\ud800`` reach the server unparsed)."""
+    return client.post(path, content=body.encode("ascii"), headers={"content-type": "application/json"})
+
+
+async def test_a_lone_surrogate_in_a_message_is_a_400_naming_the_field(client, backend):
+    body = '{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 4}' % MODEL
+    response = await raw_post(client, "/v1/chat/completions", body)
+    error = assert_error(response, 400, "invalid_request_error", "messages.0.content")
+    assert error == {
+        "message": "Invalid value for 'messages.0.content': the string contains a lone UTF-16 surrogate "
+                   "and is not valid Unicode",
+        "type": "invalid_request_error",
+        "param": "messages.0.content",
+        "code": "invalid_unicode",
+    }
+    assert response.headers["x-request-id"].startswith("chatcmpl-")
+    assert backend.requests == []
+
+
+async def test_a_lone_surrogate_as_the_model_is_a_400_not_a_plain_text_500(client, backend):
+    body = '{"model": "\\ud800", "messages": [{"role": "user", "content": "Hi"}]}'
+    response = await raw_post(client, "/v1/chat/completions", body)
+    assert response.headers["content-type"] == "application/json"
+    assert assert_error(response, 400, "invalid_request_error", "model")["code"] == "invalid_unicode"
+    assert backend.requests == []
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/completions", '"prompt": "a\\udfffb"', "prompt"),
+        ("/v1/completions", '"prompt": "a", "stop": ["x", "\\udc00"]', "stop.1"),
+        ("/v1/completions", '"prompt": "a", "user": "\\ud83d"', "user"),
+        ("/v1/chat/completions", '"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]',
+         "messages.0.content.0.text"),
+        ("/v1/completions", '"prompt": "a", "metadata": {"tag": {"deep": ["ok", "\\ud800"]}}', "metadata.tag.deep.1"),
+    ],
+)
+async def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_naming_its_path(client, backend, path, fields, param):
+    response = await raw_post(client, path, '{"model": "%s", %s}' % (MODEL, fields))
+    error = assert_error(response, 400, "invalid_request_error", param)
+    assert error["message"] == (
+        f"Invalid value for '{param}': the string contains a lone UTF-16 surrogate and is not valid Unicode"
+    )
+    assert backend.requests == []
+
+
+async def test_a_lone_surrogate_in_an_object_key_is_a_400_naming_the_object(client, backend):
+    body = '{"model": "%s", "prompt": "a", "metadata": {"\\ud800": 1}}' % MODEL
+    response = await raw_post(client, "/v1/completions", body)
+    error = assert_error(response, 400, "invalid_request_error", "metadata")
+    assert error["message"] == "A key in 'metadata' contains a lone UTF-16 surrogate and is not valid Unicode"
+
+
+async def test_a_surrogate_pair_is_one_valid_character(client, backend):
+    body = '{"model": "%s", "prompt": "\\ud83d\\ude00", "max_tokens": 1}' % MODEL
+    response = await raw_post(client, "/v1/completions", body)
+    assert response.status_code == 200
+    assert backend.requests[0].prompt_token_ids == tuple(backend.tokenizer("\U0001F600")["input_ids"])
+
+
+async def test_an_error_message_holding_an_unencodable_string_is_still_an_openai_body(client, backend):
+    backend.refuse = OpenAIError(503, "replica '\ud800' is busy", param="x\udfff")
+    response = await client.post("/v1/chat/completions", json=chat_body())
+    error = assert_error(response, 503, "overloaded_error", "x\\udfff")
+    assert error["message"] == "replica '\\ud800' is busy"
+
+
+# ------------------------------------------------------------------ request size
+
+
+async def post_in_chunks(app, path: str, chunks: list[bytes], headers: list[tuple[bytes, bytes]]) -> tuple[int, Any]:
+    """One request through the raw ASGI interface, its body sent in ``chunks``; (status, JSON body)."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+        "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"",
+        "root_path": "", "headers": [(b"host", b"t"), *headers], "client": ("127.0.0.1", 5000), "server": ("t", 80),
+    }
+    pending = list(chunks)
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if pending:
+            chunk = pending.pop(0)
+            return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with anyio.fail_after(5):
+        await app(scope, receive, send)
+    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    return sent[0]["status"], json.loads(body)
+
+
+def padded_completion(size: int) -> bytes:
+    """A valid completion request of exactly ``size`` bytes (JSON padded with spaces)."""
+    body = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 1}).encode()
+    assert len(body) <= size
+    return body[:-1] + b" " * (size - len(body)) + b"}"
+
+
+async def test_the_default_body_limit_is_8_mib_as_in_ingress_args():
+    assert DEFAULT_MAX_REQUEST_BYTES == IngressArgs().max_request_bytes == 8 * 1024 * 1024
+
+
+async def test_a_body_over_the_limit_is_a_413_from_its_content_length(backend):
+    app = create_app(backend, max_request_bytes=1024)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        response = await c.post("/v1/completions", content=padded_completion(2000))
+    error = assert_error(response, 413, "invalid_request_error", None)
+    assert error == {
+        "message": "This server accepts request bodies of at most 1024 bytes; yours is 2000 bytes",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+    }
+    assert backend.requests == []
+
+
+async def test_a_chunked_body_over_the_limit_is_a_413_once_the_bytes_read_pass_it(backend):
+    app = create_app(backend, max_request_bytes=1024)
+    body = padded_completion(1500)
+    status, payload = await post_in_chunks(app, "/v1/completions", [body[:1000], body[1000:]], headers=[])
+    assert status == 413
+    assert payload == {"error": {
+        "message": "This server accepts request bodies of at most 1024 bytes; yours is larger than that",
+        "type": "invalid_request_error", "param": None, "code": "request_too_large",
+    }}
+    assert backend.requests == []
+
+
+async def test_a_body_that_lies_about_its_length_is_judged_by_its_bytes(backend):
+    app = create_app(backend, max_request_bytes=1024)
+    body = padded_completion(1500)
+    status, payload = await post_in_chunks(app, "/v1/completions", [body], headers=[(b"content-length", b"100")])
+    assert (status, payload["error"]["code"]) == (413, "request_too_large")
+
+
+async def test_a_body_of_exactly_the_limit_is_served(backend):
+    app = create_app(backend, max_request_bytes=1024)
+    status, payload = await post_in_chunks(
+        app, "/v1/completions", [padded_completion(1024)], headers=[(b"content-length", b"1024")]
+    )
+    assert (status, payload["choices"][0]["text"]) == (200, "Hello")
+
+
+# ------------------------------------------------------------------ prompts too long to be worth tokenizing
+
+
+class CountingTokenizer:
+    """The real tokenizer, recording the lengths of the texts it was asked to tokenize."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.encoded: list[int] = []
+
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        self.encoded.append(len(text))
+        return self.inner(text, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def counting(backend) -> CountingTokenizer:
+    backend.tokenizer = CountingTokenizer(backend.tokenizer)
+    return backend.tokenizer
+
+
+async def test_smollm2s_longest_token_is_a_newline_and_80_spaces(tokenizer):
+    assert _longest_token(tokenizer) == LONGEST_TOKEN
+    assert max(len(tokenizer.decode([i])) for i in range(VOCAB)) == LONGEST_TOKEN
+
+
+async def test_a_tokenizer_that_is_no_fast_bpe_gets_no_bound():
+    assert _longest_token(object()) is None
+
+
+async def test_a_prompt_bound_to_fill_the_context_is_refused_untokenized(client, backend, counting):
+    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (LONGEST_TOKEN * 512)})
+    error = assert_error(response, 400, "invalid_request_error", "prompt")
+    assert error == {
+        "message": "This model's maximum context length is 512 tokens. However, your prompt resulted in at least "
+                   "512 tokens, which leaves no room for a completion. Please reduce the length of the prompt.",
+        "type": "invalid_request_error",
+        "param": "prompt",
+        "code": "context_length_exceeded",
+    }
+    assert counting.encoded == []
+    assert backend.requests == []
+
+
+async def test_a_prompt_bound_to_overflow_with_its_max_tokens_is_refused_untokenized(client, backend, counting):
+    prompt = "x" * (LONGEST_TOKEN * 503 + 1)  # at least 504 tokens
+    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 10})
+    error = assert_error(response, 400, "invalid_request_error", "max_tokens")
+    assert error["message"] == (
+        "This model's maximum context length is 512 tokens. However, you requested at least 514 tokens "
+        "(at least 504 in the prompt, 10 in the completion). Please reduce the length of the prompt or completion."
+    )
+    assert counting.encoded == []
+
+
+async def test_messages_bound_to_overflow_are_refused_untokenized(client, backend, counting):
+    content = "y" * (LONGEST_TOKEN * 600)
+    response = await client.post("/v1/chat/completions", json={**chat_body(), "messages": [
+        {"role": "user", "content": content}]})
+    rendered = len(HI_CHATML) - len("Hi") + len(content)
+    error = assert_error(response, 400, "invalid_request_error", "messages")
+    assert error["message"] == (
+        f"This model's maximum context length is 512 tokens. However, your messages resulted in at least "
+        f"{-(-rendered // LONGEST_TOKEN)} tokens, which leaves no room for a completion. "
+        "Please reduce the length of the messages."
+    )
+    assert counting.encoded == []
+
+
+async def test_a_prompt_within_the_bound_is_tokenized_and_counted_exactly(client, backend, counting):
+    prompt = "x" * (LONGEST_TOKEN * 511)  # at least 511 tokens: the bound allows it, its tokens do not
+    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+    tokens = len(backend.tokenizer.inner(prompt)["input_ids"])
+    assert counting.encoded == [len(prompt)]
+    assert assert_error(response, 400, "invalid_request_error", "prompt")["message"] == (
+        f"This model's maximum context length is 512 tokens. However, your prompt resulted in {tokens} tokens, "
+        "which leaves no room for a completion. Please reduce the length of the prompt."
+    )
+
+
+async def test_the_bound_also_guards_the_largest_kv_pool(client, backend, counting):
+    backend.seatable = 100
+    response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x" * (LONGEST_TOKEN * 100)})
+    assert assert_error(response, 400, "invalid_request_error", "prompt")["message"] == (
+        "This server's largest KV cache holds 100 tokens. However, your prompt resulted in at least 100 tokens, "
+        "which leaves no room for a completion. Please reduce the length of the prompt."
+    )
+    assert counting.encoded == []
+
+
+# ------------------------------------------------------------------ strict types over HTTP
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_tokens", "4", "Invalid value for 'max_tokens': Input should be a valid integer (got \"4\")"),
+        ("max_tokens", True, "Invalid value for 'max_tokens': Input should be a valid integer (got true)"),
+        ("stream", "yes", "Invalid value for 'stream': Input should be a valid boolean (got \"yes\")"),
+    ],
+)
+async def test_a_loosely_typed_field_is_a_400_naming_it(client, backend, field, value, message):
+    response = await client.post("/v1/chat/completions", json=chat_body(**{field: value}))
+    error = assert_error(response, 400, "invalid_request_error", field)
+    assert (error["message"], error["code"]) == (message, "invalid_type")
+    assert backend.requests == []
+
+
+async def test_an_integer_temperature_is_still_a_number(client, backend):
+    response = await client.post("/v1/chat/completions", json=chat_body(temperature=1, top_p=1, max_tokens=1))
+    assert response.status_code == 200
+    assert (backend.requests[0].params.temperature, backend.requests[0].params.top_p) == (1.0, 1.0)
+
+
+# ------------------------------------------------------------------ cancellation
+
+
+CANCELLATIONS = [
+    TaskCancelledError(),
+    RequestCancelledError("req-1"),
+    RayTaskError("generate", "traceback text", TaskCancelledError()).as_instanceof_cause(),
+    RayTaskError("generate", "traceback text", asyncio.CancelledError()).as_instanceof_cause(),
+]
+
+
+@pytest.mark.parametrize("cancellation", CANCELLATIONS, ids=lambda e: type(e).__name__)
+async def test_a_cancelled_backend_call_is_a_499_logged_at_info_without_traceback(
+    client, backend, caplog, cancellation
+):
+    backend.crash = cancellation
+    with caplog.at_level("DEBUG"):
+        response = await client.post("/v1/chat/completions", json=chat_body())
+    error = assert_error(response, 499, "invalid_request_error", None)
+    assert (error["message"], error["code"]) == ("The request was cancelled before it completed", "request_cancelled")
+    rid = response.headers["x-request-id"]
+    ours = [r for r in caplog.records if r.name.startswith("ferrox")]
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in ours] == [
+        ("INFO", f"request {rid} was cancelled (the client went away): {type(cancellation).__name__}", None)
+    ]
+    assert [r for r in caplog.records if r.levelno >= 30] == []
+
+
+async def test_a_cancellation_mid_stream_ends_the_stream_logged_at_info(client, backend, caplog):
+    backend.crash, backend.crash_after = TaskCancelledError(), 2
+    with caplog.at_level("DEBUG"):
+        response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello world again",
+                                                               "stream": True})
+    events = sse_events(response.text)
+    rid = response.headers["x-request-id"]
+    assert [e["choices"][0]["text"] for e in events[:2]] == ["Hello", " world"]
+    assert events[2:] == [
+        {"error": {"message": "The request was cancelled before it completed", "type": "invalid_request_error",
+                   "param": None, "code": "request_cancelled"}},
+        "[DONE]",
+    ]
+    ours = [r for r in caplog.records if r.name.startswith("ferrox")]
+    assert [(r.levelname, r.getMessage(), r.exc_info) for r in ours] == [
+        ("INFO", f"request {rid} was cancelled mid-stream (the client went away): TaskCancelledError", None)
+    ]
+
+
+async def test_an_ordinary_failure_is_still_logged_as_an_error_with_its_traceback(client, backend, caplog):
+    backend.crash = RuntimeError("boom")
+    with caplog.at_level("DEBUG"):
+        response = await client.post("/v1/completions", json={"model": MODEL, "prompt": "Hello"})
+    assert response.status_code == 500
+    [record] = [r for r in caplog.records if r.name.startswith("ferrox")]
+    assert (record.levelname, record.exc_info[0]) == ("ERROR", RuntimeError)
+
+
+# ------------------------------------------------------------------ HEAD
+
+
+async def test_head_health_is_a_200_without_a_body(client):
+    response = await client.head("/health")
+    assert (response.status_code, response.content) == (200, b"")
+    assert response.headers["content-type"] == "application/json"
+    assert response.headers["content-length"] == str(len(b'{"status":"ok"}'))
+
+
+async def test_head_health_is_a_503_when_the_backend_is_not_healthy(client, backend):
+    backend.is_healthy = False
+    response = await client.head("/health")
+    assert (response.status_code, response.content) == (503, b"")
+
+
+async def test_head_models_is_a_200_and_an_unknown_model_a_404(client):
+    assert [(r.status_code, r.content) for r in (await client.head("/v1/models"), await client.head(
+        f"/v1/models/{MODEL}"), await client.head("/v1/models/gpt-4o"))] == [(200, b""), (200, b""), (404, b"")]

@@ -7,12 +7,16 @@ what a client sees.
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from ray.exceptions import ActorDiedError, RayTaskError, TaskCancelledError
+from ray.serve.exceptions import RequestCancelledError
 
-from ferrox.cluster.errors import OpenAIError, error_body, param_path, validation_error
+from ferrox.cluster.errors import OpenAIError, error_body, is_cancellation, param_path, printable, validation_error
 from ferrox.cluster.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -25,6 +29,7 @@ from ferrox.cluster.protocol import (
     ModelList,
     UsageInfo,
     chunk_dict,
+    lone_surrogate,
 )
 from ferrox.replicas.types import SamplingParams
 
@@ -227,10 +232,7 @@ def test_a_bad_value_is_a_400_naming_its_field(field: str, value: Any):
 def test_a_wrong_type_has_code_invalid_type_and_echoes_the_value():
     error = chat_refusal(temperature="hot")
     assert error.code == "invalid_type"
-    assert error.message == (
-        "Invalid value for 'temperature': Input should be a valid number, unable to parse string as a number "
-        '(got "hot")'
-    )
+    assert error.message == """Invalid value for 'temperature': Input should be a valid number (got "hot")"""
 
 
 def test_an_out_of_range_value_has_code_invalid_value():
@@ -414,3 +416,105 @@ def test_a_fastapi_json_decode_error_becomes_invalid_json_without_param():
     )
     assert (error.status_code, error.param, error.code) == (400, None, "invalid_json")
     assert error.message == "We could not parse the JSON body of your request: Expecting value"
+
+
+# ---------------------------------------------------------------- strict types
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "kind"),
+    [
+        ("max_tokens", "4", "integer"),
+        ("max_tokens", True, "integer"),
+        ("max_tokens", 4.0, "integer"),
+        ("max_completion_tokens", "4", "integer"),
+        ("seed", "5", "integer"),
+        ("top_k", 1.5, "integer"),
+        ("n", "1", "integer"),
+        ("stop_token_ids", [True], "integer"),
+        ("stream", "yes", "boolean"),
+        ("stream", 1, "boolean"),
+        ("ignore_eos", "true", "boolean"),
+        ("logprobs", 0, "boolean"),
+        ("temperature", True, "number"),
+        ("temperature", "0.5", "number"),
+        ("user", 5, "string"),
+        ("model", 5, "string"),
+    ],
+)
+def test_a_value_of_the_wrong_json_type_is_refused_not_coerced(field: str, value: Any, kind: str):
+    error = chat_refusal(**{field: value})
+    assert (error.status_code, error.code) == (400, "invalid_type")
+    assert error.param in (field, f"{field}.0")
+    assert error.message.startswith(f"Invalid value for '{error.param}': Input should be a valid {kind}")
+
+
+def test_a_string_include_usage_is_refused_at_its_path():
+    error = chat_refusal(stream=True, stream_options={"include_usage": "yes"})
+    assert (error.param, error.code) == ("stream_options.include_usage", "invalid_type")
+
+
+def test_a_string_echo_is_refused_for_completions():
+    assert completion_refusal(echo="false").param == "echo"
+
+
+def test_integers_are_accepted_for_number_fields():
+    params = chat(temperature=1, top_p=1, presence_penalty=-2, frequency_penalty=2, min_p=0,
+                  repetition_penalty=2).to_sampling_params(8)
+    assert (params.temperature, params.top_p, params.min_p, params.repetition_penalty) == (1.0, 1.0, 0.0, 2.0)
+    assert (params.presence_penalty, params.frequency_penalty) == (-2.0, 2.0)
+
+
+# ---------------------------------------------------------------- strings that are not valid Unicode
+
+
+@pytest.mark.parametrize(
+    ("data", "found"),
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": "\ud800"}]}, ("messages.0.content", False)),
+        ({"model": "a\udfffb"}, ("model", False)),
+        ({"stop": ["ok", "\udc00"], "user": "\ud800"}, ("stop.1", False)),
+        ({"metadata": {"x": {"\ud800": 1}}}, ("metadata.x", True)),
+        ({"\ud800": 1}, (None, True)),
+        ("\ud800", (None, False)),
+        ({"model": "m", "prompt": "\U0001F600 caf\u00e9", "ids": [1, 2.5, None, True]}, None),
+    ],
+)
+def test_the_first_lone_surrogate_is_found_at_its_dotted_path(data: Any, found: Any):
+    assert lone_surrogate(data) == found
+
+
+def test_the_surrogate_search_takes_any_depth_the_parser_took():
+    deep: Any = "\ud800"
+    for _ in range(50_000):
+        deep = [deep]
+    assert lone_surrogate({"metadata": deep}) == ("metadata" + ".0" * 50_000, False)
+
+
+def test_an_error_body_escapes_what_utf8_cannot_encode():
+    body = OpenAIError(404, "The model '\ud800' does not exist", param="mo\udfffdel", code="c\ud800").body()
+    assert body == {"error": {"message": "The model '\\ud800' does not exist", "type": "not_found_error",
+                              "param": "mo\\udfffdel", "code": "c\\ud800"}}
+    assert json.dumps(body, ensure_ascii=False).encode("utf-8")  # encodable
+    assert printable("caf\u00e9 \U0001F600") == "caf\u00e9 \U0001F600"
+
+
+# ---------------------------------------------------------------- cancellations
+
+
+@pytest.mark.parametrize(
+    ("exc", "cancelled"),
+    [
+        (asyncio.CancelledError(), True),
+        (TaskCancelledError(), True),
+        (RequestCancelledError("req-1"), True),
+        (RayTaskError("f", "tb", TaskCancelledError()).as_instanceof_cause(), True),
+        (RayTaskError("f", "tb", asyncio.CancelledError()).as_instanceof_cause(), True),
+        (RayTaskError("f", "tb", RuntimeError("x")).as_instanceof_cause(), False),
+        (ActorDiedError(), False),
+        (RuntimeError("cancelled"), False),
+    ],
+    ids=lambda v: type(v).__name__ if isinstance(v, BaseException) else str(v),
+)
+def test_a_cancellation_is_told_from_a_failure(exc: BaseException, cancelled: bool):
+    assert is_cancellation(exc) is cancelled

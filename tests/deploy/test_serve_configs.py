@@ -88,6 +88,9 @@ def test_ferrox_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
     config = tmp_path / "serve.yaml"
     data = yaml.safe_load((ROOT / "deploy/serve.yaml").read_text())
     data["applications"][0]["args"]["engine"]["kv_cache_bytes"] = 64 << 20
+    # float32: the answer below is a near tie for SmolLM2 (0.08 logits
+    # between "The" and "L" in float32), which bfloat16 rounding can flip.
+    data["applications"][0]["args"]["engine"]["dtype"] = "float32"
     data["applications"][0]["args"]["ray_actor_options"] = {"num_cpus": 0}
     config.write_text(yaml.safe_dump(data))
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
@@ -162,3 +165,59 @@ def test_ctrl_c_while_the_replicas_deploy_stops_ferrox_serve(tmp_path):
     assert proc.returncode == 130, (rest or "")[-3000:]
     assert ">> interrupted while deploying; shutting down" in rest and ">> stopped" in rest
     assert "Ctrl-C to stop" not in rest, "it never reported serving"
+
+
+def test_ferrox_serve_refuses_a_port_that_is_already_taken(tmp_path):
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    ferrox = Path(sys.executable).with_name("ferrox")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [str(ferrox), "serve", "--config", str(ROOT / "deploy/serve.yaml"), "--port", str(port)],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+        )
+    assert done.returncode == 2
+    assert done.stderr.strip().endswith(
+        f"error: cannot serve on 127.0.0.1:{port}: Address already in use (pick another with --port)"
+    )
+
+
+def test_sigterm_to_the_whole_process_group_stops_ferrox_serve_promptly(tmp_path):
+    """What `timeout`, `docker stop` or systemd send: Ray's own processes get
+    it too. It used to wait a minute on the half-dead cluster and exit 1."""
+    port = _free_port()
+    config = tmp_path / "serve.yaml"
+    data = yaml.safe_load((ROOT / "deploy/serve.yaml").read_text())
+    data["applications"][0]["args"]["engine"]["kv_cache_bytes"] = 64 << 20
+    data["applications"][0]["args"]["ray_actor_options"] = {"num_cpus": 0}
+    config.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
+    ferrox = Path(sys.executable).with_name("ferrox")
+    proc = subprocess.Popen(
+        [str(ferrox), "serve", "--config", str(config), "--replicas", "1", "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "Ctrl-C to stop" in line:
+                break
+        assert any("Ctrl-C to stop" in line for line in lines), "".join(lines)[-3000:]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            rest, _ = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rest, _ = proc.communicate()
+    # A shutdown that hangs is cut at 30 s with exit 1 and "did not finish".
+    assert proc.returncode == 0, (rest or "")[-3000:]
+    assert ">> stopped" in rest and "did not finish" not in rest

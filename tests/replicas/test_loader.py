@@ -433,3 +433,21 @@ def test_two_processes_converting_at_once_both_get_the_same_complete_cache(tiny_
     expected_tensors = 3 + TINY["layers"] * 9
     assert len(lines) == 1 and lines.pop().endswith(f" {expected_tensors}")
     assert len([p for p in tmp_path.iterdir()]) == 1  # one cache directory, no leftover temporaries
+
+
+def test_the_conversion_cache_key_follows_the_content_not_the_modification_time(smollm2_files, tmp_path):
+    import shutil
+
+    from ferrox.replicas.loader import _cache_key, _embedded_gguf
+
+    original = _embedded_gguf()
+    copy = tmp_path / original.name
+    shutil.copyfile(original, copy)  # a reinstall: same bytes, new mtime
+    os.utime(copy, ns=(1, 1))
+    assert _cache_key(copy) == _cache_key(original)
+    with open(copy, "r+b") as f:  # one byte changed in the middle sample
+        f.seek(copy.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    assert _cache_key(copy) != _cache_key(original)
