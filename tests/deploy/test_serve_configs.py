@@ -81,36 +81,61 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ferrox_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
-    import openai
-
-    port = _free_port()
+def _start_serve(tmp_path, port: int, **engine) -> subprocess.Popen:
+    """`ferrox serve` on deploy/serve.yaml (one replica, 64 MiB of KV, no CPU
+    reservation, ``engine`` overrides) in its own process group, as a terminal
+    would start it."""
     config = tmp_path / "serve.yaml"
     data = yaml.safe_load((ROOT / "deploy/serve.yaml").read_text())
-    data["applications"][0]["args"]["engine"]["kv_cache_bytes"] = 64 << 20
-    # float32: the answer below is a near tie for SmolLM2 (0.08 logits
-    # between "The" and "L" in float32), which bfloat16 rounding can flip.
-    data["applications"][0]["args"]["engine"]["dtype"] = "float32"
+    data["applications"][0]["args"]["engine"].update(kv_cache_bytes=64 << 20, **engine)
     data["applications"][0]["args"]["ray_actor_options"] = {"num_cpus": 0}
     config.write_text(yaml.safe_dump(data))
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
     ferrox = Path(sys.executable).with_name("ferrox")
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         [str(ferrox), "serve", "--config", str(config), "--replicas", "1", "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
         start_new_session=True,
     )
+
+
+def _read_until(proc: subprocess.Popen, marker: str, timeout_s: float = 240) -> str:
+    """Its output up to and including the first line holding ``marker`` (or all of it, if it ends first)."""
     lines: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if marker in line:
+            break
+    return "".join(lines)
+
+
+def _stop(proc: subprocess.Popen, signum: int, *, group: bool = False) -> str:
+    """Send ``signum`` (to its whole group with ``group``); the rest of its output once it exits."""
+    if group:
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C to stop" in line:
-                break
-        out = "".join(lines)
+        rest, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        rest, _ = proc.communicate()
+    return rest or ""
+
+
+def test_ferrox_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
+    import openai
+
+    port = _free_port()
+    # float32: the answer below is a near tie for SmolLM2 (0.08 logits
+    # between "The" and "L" in float32), which bfloat16 rounding can flip.
+    proc = _start_serve(tmp_path, port, dtype="float32")
+    try:
+        out = _read_until(proc, "Ctrl-C to stop")
         assert f"http://127.0.0.1:{port}/v1" in out, out[-3000:]
         assert f"curl http://127.0.0.1:{port}/v1/chat/completions" in out
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -120,49 +145,19 @@ def test_ferrox_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
         )
         assert "Paris" in reply.choices[0].message.content
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rest, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rest, _ = proc.communicate()
-    assert proc.returncode == 0, (rest or "")[-3000:]
+        rest = _stop(proc, signal.SIGINT)
+    assert proc.returncode == 0, rest[-3000:]
     assert ">> stopped" in rest
 
 
 def test_ctrl_c_while_the_replicas_deploy_stops_ferrox_serve(tmp_path):
-    port = _free_port()
-    config = tmp_path / "serve.yaml"
-    data = yaml.safe_load((ROOT / "deploy/serve.yaml").read_text())
-    data["applications"][0]["args"]["engine"]["kv_cache_bytes"] = 64 << 20
-    data["applications"][0]["args"]["ray_actor_options"] = {"num_cpus": 0}
-    config.write_text(yaml.safe_dump(data))
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    ferrox = Path(sys.executable).with_name("ferrox")
-    proc = subprocess.Popen(
-        [str(ferrox), "serve", "--config", str(config), "--replicas", "1", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
-        start_new_session=True,
-    )
-    lines: list[str] = []
+    proc = _start_serve(tmp_path, _free_port())
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if ">> deploying" in line:
-                break
-        assert any(">> deploying" in line for line in lines), "".join(lines)[-3000:]
+        out = _read_until(proc, ">> deploying")
+        assert ">> deploying" in out, out[-3000:]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rest, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rest, _ = proc.communicate()
-    assert proc.returncode == 130, (rest or "")[-3000:]
+        rest = _stop(proc, signal.SIGINT)
+    assert proc.returncode == 130, rest[-3000:]
     assert ">> interrupted while deploying; shutting down" in rest and ">> stopped" in rest
     assert "Ctrl-C to stop" not in rest, "it never reported serving"
 
@@ -187,37 +182,12 @@ def test_ferrox_serve_refuses_a_port_that_is_already_taken(tmp_path):
 def test_sigterm_to_the_whole_process_group_stops_ferrox_serve_promptly(tmp_path):
     """What `timeout`, `docker stop` or systemd send: Ray's own processes get
     it too. It used to wait a minute on the half-dead cluster and exit 1."""
-    port = _free_port()
-    config = tmp_path / "serve.yaml"
-    data = yaml.safe_load((ROOT / "deploy/serve.yaml").read_text())
-    data["applications"][0]["args"]["engine"]["kv_cache_bytes"] = 64 << 20
-    data["applications"][0]["args"]["ray_actor_options"] = {"num_cpus": 0}
-    config.write_text(yaml.safe_dump(data))
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1")
-    ferrox = Path(sys.executable).with_name("ferrox")
-    proc = subprocess.Popen(
-        [str(ferrox), "serve", "--config", str(config), "--replicas", "1", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path,
-        start_new_session=True,
-    )
-    lines: list[str] = []
+    proc = _start_serve(tmp_path, _free_port())
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "Ctrl-C to stop" in line:
-                break
-        assert any("Ctrl-C to stop" in line for line in lines), "".join(lines)[-3000:]
+        out = _read_until(proc, "Ctrl-C to stop")
+        assert "Ctrl-C to stop" in out, out[-3000:]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            rest, _ = proc.communicate(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            rest, _ = proc.communicate()
+        rest = _stop(proc, signal.SIGTERM, group=True)
     # A shutdown that hangs is cut at 30 s with exit 1 and "did not finish".
-    assert proc.returncode == 0, (rest or "")[-3000:]
+    assert proc.returncode == 0, rest[-3000:]
     assert ">> stopped" in rest and "did not finish" not in rest
